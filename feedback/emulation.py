@@ -1,0 +1,157 @@
+"""CPU emulation of tensor-core dot precision for Triton's interpreter.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) computes every ``tl.dot`` as an exact fp32 NumPy
+product and ignores ``input_precision``, so a kernel that leaves an fp32 accumulation chain at
+Triton's default precision (tf32) looks perfect on a CPU.  This module makes interpreted dots
+behave like the tensor cores:
+
+* ``tf32`` (and the default, since Triton's default fp32 precision *is* tf32): both fp32
+  operands are reduced to tf32 (1 sign, 8 exponent, 10 mantissa bits) by **truncating** the 13
+  low mantissa bits, then multiplied and accumulated in fp32.
+* ``tf32x3``: each operand is split into a tf32 ``big`` part and a tf32 ``small`` remainder and
+  the product is ``big*big + big*small + small*big`` (the small*small term is dropped), which
+  recovers nearly full fp32 accuracy.
+* ``ieee``: the exact fp32 product (unchanged).
+
+Only fp32 x fp32 dots are touched; bf16/fp16/int8 dots are already exact in the interpreter.
+
+Why truncation: measured on an H200 (DESIGN.md, bench/RESULTS.md), the error of a 64x64 fp32
+affine chain through ``tl.dot`` at tf32 matches truncation within a few percent at 2 to 128
+links, while round-to-nearest underestimates it more than tenfold at 128 links (its error is
+unbiased and grows like the square root of the chain length; truncation's is biased and grows
+almost linearly).  ``rounding="nearest"`` is kept only to reproduce that comparison.
+
+Use :func:`dot_precision` as a context manager, or set ``INFRA_AGENT_EMULATE_DOT=1`` (or
+``=nearest``) in a subprocess's environment and call :func:`install_from_env` there (the
+feedback runner does this for every probe it starts without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+ENV_VAR = "INFRA_AGENT_EMULATE_DOT"
+ROUNDINGS = ("truncate", "nearest")
+
+_lock = threading.Lock()
+_active: list[str] = []  # stack of rounding modes; the innermost wins
+_original_create_dot = None
+
+
+def to_tf32(x: np.ndarray, rounding: str = "truncate") -> np.ndarray:
+    """Reduce fp32 values to tf32 precision (10 explicit mantissa bits), kept in fp32 storage."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    if rounding == "nearest":
+        # round half to even on bit 13, then clear the 13 low bits (infinities/NaNs untouched)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        lsb = (bits >> 13) & 1
+        rounded = (bits + np.uint32(0x0FFF) + lsb) & np.uint32(0xFFFFE000)
+        bits = np.where(finite, rounded, bits)
+    elif rounding == "truncate":
+        bits = bits & np.uint32(0xFFFFE000)
+    else:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def split_tf32(x: np.ndarray, rounding: str = "truncate") -> tuple[np.ndarray, np.ndarray]:
+    """x ~= big + small, both tf32: the operand split used by the tf32x3 algorithm."""
+    x = np.asarray(x, dtype=np.float32)
+    big = to_tf32(x, rounding)
+    small = to_tf32((x - big).astype(np.float32), rounding)
+    return big, small
+
+
+def emulated_matmul(a: np.ndarray, b: np.ndarray, precision: str, rounding: str = "truncate") -> np.ndarray:
+    """fp32 ``a @ b`` as a tensor core computes it at ``precision`` ('tf32', 'tf32x3', 'ieee')."""
+    a = np.asarray(a, dtype=np.float32)
+    b = np.asarray(b, dtype=np.float32)
+    if precision == "ieee":
+        return np.matmul(a, b, dtype=np.float32)
+    if precision == "tf32":
+        return np.matmul(to_tf32(a, rounding), to_tf32(b, rounding), dtype=np.float32)
+    if precision == "tf32x3":
+        a_big, a_small = split_tf32(a, rounding)
+        b_big, b_small = split_tf32(b, rounding)
+        # small terms first, as the hardware algorithm accumulates them before the big product
+        acc = np.matmul(a_big, b_small, dtype=np.float32) + np.matmul(a_small, b_big, dtype=np.float32)
+        return acc + np.matmul(a_big, b_big, dtype=np.float32)
+    raise ValueError(f"precision must be 'tf32', 'tf32x3' or 'ieee', got {precision!r}")
+
+
+def _precision_name(input_precision) -> str:
+    name = getattr(input_precision, "name", str(input_precision)).lower()
+    return {"tf32": "tf32", "tf32x3": "tf32x3", "ieee": "ieee"}.get(name, name)
+
+
+def _patched_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    rounding = _active[-1] if _active else None
+    if rounding is None or a.data.dtype != np.float32 or b.data.dtype != np.float32:
+        return _original_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+    from triton.runtime.interpreter import TensorHandle
+
+    product = emulated_matmul(a.data, b.data, _precision_name(input_precision), rounding)
+    return TensorHandle((product + d.data).astype(d.data.dtype, copy=False), d.dtype.scalar)
+
+
+def _patch() -> None:
+    global _original_create_dot
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    if _original_create_dot is None:
+        _original_create_dot = InterpreterBuilder.create_dot
+        InterpreterBuilder.create_dot = _patched_create_dot
+
+
+def active() -> str | None:
+    """The rounding mode in force, or None when interpreted dots are exact."""
+    return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def dot_precision(rounding: str = "truncate") -> Iterator[None]:
+    """Within the block, interpreted fp32 ``tl.dot`` honours ``input_precision`` (tf32 by default)."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    with _lock:
+        _patch()
+        _active.append(rounding)
+    try:
+        yield
+    finally:
+        with _lock:
+            _active.remove(rounding)
+
+
+def install(rounding: str = "truncate") -> None:
+    """Turn the emulation on for the rest of the process."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    with _lock:
+        _patch()
+        _active.insert(0, rounding)
+
+
+def env_setting() -> str | None:
+    """The rounding requested by ``INFRA_AGENT_EMULATE_DOT`` ('1'/'truncate' or 'nearest'), else None."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return None
+    if value in ("1", "on", "true", "yes", "truncate"):
+        return "truncate"
+    if value == "nearest":
+        return "nearest"
+    raise ValueError(f"{ENV_VAR} must be 1/truncate, nearest or 0, got {value!r}")
+
+
+def install_from_env() -> str | None:
+    """Install the emulation if the environment asks for it; return the rounding installed."""
+    rounding = env_setting()
+    if rounding is not None:
+        install(rounding)
+    return rounding

@@ -1,0 +1,1 @@
+"""Optimisation playbooks: YAML skeletons with applicability conditions, transforms and validation."""

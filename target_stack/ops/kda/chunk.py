@@ -1,0 +1,309 @@
+"""Chunked KDA prefill in Triton (forward only).
+
+Three kernels, the usual split of a chunked linear-attention forward:
+
+1. ``_kda_intra_kernel`` (one program per chunk and head, all chunks in parallel): within-chunk
+   cumulative decay G, the strictly lower matrix L[i, j] = b_i <k_i, k_j exp(G_i - G_j)>, the UT
+   transform T = (I + L)^-1 Diag(b) by forward substitution, w = T (exp(G) k), u = T v, and the
+   causal score matrix P[i, j] = scale <q_i, k_j exp(G_i - G_j)>.  Every exponent is a difference
+   G_i - G_j with j <= i, built one column at a time, so no decay can overflow.
+2. ``_kda_state_kernel`` (one program per sequence, head and V tile; sequential over chunks):
+   stores the state entering each chunk, the effective values u' = u - w S, and advances
+   S <- Diag(exp(G_C)) S + (k exp(G_C - G))^T u'.
+3. ``_kda_output_kernel`` (all chunks in parallel): o = (scale q exp(G)) S_in + P u'.
+
+Variable-length batches are packed along T and described by ``cu_seqlens`` (as in
+flash-linear-attention); chunks never straddle a sequence boundary.  Everything accumulates in
+fp32 and every fp32 ``tl.dot`` names its precision (``DOT_PRECISION``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from target_stack.ops.utils import alloc, block_size, check_kda_inputs, interpreting, resolve_dot_precision
+
+CHUNK_SIZE = 64
+
+
+@triton.jit
+def _kda_intra_kernel(
+    q, k, v, g, beta, gc, w, u, Pqk,
+    cu_seqlens, chunk_seq, chunk_pos,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, LOG2_BT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_seq + i_c).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    m_t = (t0 + rows) < eos
+    causal = (rows[:, None] >= cols[None, :])[:, :, None]
+
+    # Cumulative log decay G within the chunk, as an exact fp32 product with a triangle of ones.
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_tri = tl.where(causal.reshape(BT, BT), 1.0, 0.0)
+    tl.store(gc + off_tk, tl.dot(b_tri, b_g, input_precision="ieee"), mask=m_tk)
+    tl.debug_barrier()
+
+    # L[i, j] = <k_i, k_j exp(G_i - G_j)> and P[i, j] = <q_i, k_j exp(G_i - G_j)>, accumulated over
+    # slices of BKC channels as [BT, BT, BKC] products; the exponent is masked to j <= i before
+    # exp(), so it is never positive and nothing can overflow.
+    b_L = tl.zeros([BT, BT], dtype=tl.float32)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    for kk in range(0, BK, BKC):
+        o_k = kk + tl.arange(0, BKC)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
+        b_dec = tl.exp(tl.where(causal, b_gc[:, None, :] - b_gc[None, :, :], float("-inf")))
+        b_kj = b_k[None, :, :] * b_dec
+        b_L += tl.sum(b_k[:, None, :] * b_kj, axis=2)
+        b_P += tl.sum(b_q[:, None, :] * b_kj, axis=2)
+    b_b = tl.load(beta + (t0 + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_L = tl.where(rows[:, None] > cols[None, :], b_L * b_b[:, None], 0.0)
+
+    # X = (I + L)^-1 by recursive doubling: X holds the inverses of the diagonal s-blocks; the
+    # lower-left s-block C of each 2s-block becomes -B^-1 C A^-1 = -(X C X) there.
+    b_X = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    s = 1
+    for _ in range(LOG2_BT):
+        in_pair = (rows[:, None] // (2 * s)) == (cols[None, :] // (2 * s))
+        off_diag = (rows[:, None] // s) != (cols[None, :] // s)
+        b_C = tl.where(in_pair & off_diag, b_L, 0.0)
+        b_XC = tl.dot(b_X, b_C, input_precision=DOT_PRECISION)
+        b_X = b_X - tl.dot(b_XC, b_X, input_precision=DOT_PRECISION)
+        s = s * 2
+    b_T = b_X * b_b[None, :]  # the UT transform T = (I + L)^-1 Diag(b)
+
+    off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
+    tl.store(Pqk + off_tt, tl.where(causal.reshape(BT, BT), b_P * scale, 0.0), mask=m_t[:, None])
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
+    tl.store(w + off_tk, tl.dot(b_T, b_k * tl.exp(b_gc), input_precision=DOT_PRECISION), mask=m_tk)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(u + off_tv, tl.dot(b_T, b_v, input_precision=DOT_PRECISION), mask=m_tv)
+
+
+@triton.jit
+def _kda_state_kernel(
+    k, gc, w, u, v_new, h, h0, ht,
+    cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    off_kv = o_k[:, None] * V + o_v[None, :]
+
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_S += tl.load(h0 + (i_n * H + i_h) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
+
+    for i_c in range(0, (eos - bos + BT - 1) // BT):
+        t0 = bos + i_c * BT
+        tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
+        m_t = (t0 + rows) < eos
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+        b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
+        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0)
+        b_vn = b_u - tl.dot(b_w, b_S, input_precision=DOT_PRECISION)
+        tl.store(v_new + off_tv, b_vn, mask=m_tv)
+
+        t_last = tl.minimum(t0 + BT, eos) - 1
+        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
+        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
+        b_S = b_S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=DOT_PRECISION)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + (i_n * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
+
+
+@triton.jit
+def _kda_output_kernel(
+    q, gc, Pqk, v_new, h, o,
+    cu_seqlens, chunk_seq, chunk_pos,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_n = tl.load(chunk_seq + i_c).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = (t0 + rows) < eos
+    m_k = o_k < K
+    m_v = o_v < V
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+
+    b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
+    b_qg = b_q * tl.exp(b_gc) * scale
+    b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :], mask=m_t[:, None], other=0.0)
+    b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
+    b_o = tl.dot(b_qg, b_S, input_precision=DOT_PRECISION) + tl.dot(b_P, b_vn, input_precision=DOT_PRECISION)
+    tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def prepare_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chunk_seq, chunk_pos, chunk_offsets): the sequence and position of every chunk, and the
+    index of each sequence's first chunk."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    seq, pos, offsets = [], [], [0]
+    for n, length in enumerate(lens):
+        nc = triton.cdiv(length, chunk_size)
+        seq += [n] * nc
+        pos += range(nc)
+        offsets.append(offsets[-1] + nc)
+    dev = cu_seqlens.device
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    return as_t(seq), as_t(pos), as_t(offsets)
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    dot_precision: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA prefill.  Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] fp32)``.
+
+    With ``cu_seqlens`` (int, ``[N + 1]``) the batch must be 1 and holds N packed sequences;
+    ``initial_state`` then has one state per sequence.  ``dot_precision`` sets the fp32
+    ``tl.dot`` precision of the chunk kernels (None: tf32x3 where tf32 exists, else ieee).
+    """
+    if cu_seqlens is not None:
+        if q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got q of shape {tuple(q.shape)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of sequence offsets")
+        n_seq = cu_seqlens.numel() - 1
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state,
+                                     state_batch=None if cu_seqlens is None else n_seq)
+    if cu_seqlens is None:
+        n_seq = B
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    else:
+        cl = cu_seqlens.tolist()
+        if cl[0] != 0 or cl[-1] != T or any(b < a for a, b in zip(cl, cl[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cl}")
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    precision = resolve_dot_precision(dot_precision, q.device, "dot_precision")
+    scale = K**-0.5 if scale is None else float(scale)
+    chunks = prepare_chunks(cu_seqlens, CHUNK_SIZE)
+    return chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunks, precision)
+
+
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: torch.Tensor,
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The three launches of :func:`chunk_kda` on validated inputs and prepared chunk indices.
+
+    No host synchronisation happens here, so a CUDA graph can capture it.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n_seq = cu_seqlens.numel() - 1
+    BT = CHUNK_SIZE
+    BK = block_size(K)
+    BV = min(block_size(V), 32 if BK > 64 else 64)
+    chunk_seq, chunk_pos, chunk_offsets = chunks
+    NT = chunk_seq.numel()
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    f32 = dict(dtype=torch.float32, device=q.device)
+    gc = alloc(B, T, H, K, **f32)
+    w = alloc(B, T, H, K, **f32)
+    u = alloc(B, T, H, V, **f32)
+    Pqk = alloc(B, T, H, BT, **f32)
+    # The [BT, BT, BKC] decay products live in registers on a GPU; the interpreter prefers one slice.
+    BKC = BK if interpreting() else 4
+    _kda_intra_kernel[(NT, H)](
+        q, k, v, g, beta, gc, w, u, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BKC=BKC, LOG2_BT=BT.bit_length() - 1,
+        DOT_PRECISION=precision, num_warps=8 if BKC < BK else 4,
+    )
+    h = alloc(NT, H, K, V, **f32)
+    v_new = alloc(B, T, H, V, **f32)
+    ht = alloc(n_seq, H, K, V, **f32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    NV = triton.cdiv(V, BV)
+    _kda_state_kernel[(NV, n_seq, H)](
+        k, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, DOT_PRECISION=precision,
+    )
+    o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
+    _kda_output_kernel[(NV, NT, H)](
+        q, gc, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos, scale,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PRECISION=precision,
+    )
+    return o, ht

@@ -1,0 +1,123 @@
+"""Fused recurrent KDA in Triton: the decode kernel (and a token-loop prefill for short inputs).
+
+One program per (V tile, sequence, head) keeps its [K, BV] slice of the state in registers and
+walks the tokens: decay, delta-rule correction, rank-one update, readout.  Every V tile of a
+head loads the same q, k, g and beta and repeats their normalisation and gating; on a
+memory-bound step that is free, where the step is issue-bound it is not (DESIGN.md).
+
+With ``ssm_state_indices`` the ``initial_state`` is a pool of state slots ``[num_slots, H, K, V]``
+read and updated in place, one slot per sequence.  Slot 0 is the null slot: rows that point at
+it (padding) read a zero state and are never written back.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from target_stack.ops.utils import alloc, block_size, check_kda_inputs
+
+
+@triton.jit
+def _kda_fused_recurrent_kernel(
+    q, k, v, g, beta, o, h0, ht, slots,
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, USE_SLOTS: tl.constexpr,
+    L2NORM_QK: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1).to(tl.int64)
+    i_h = tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    off_kv = i_h * K * V + o_k[:, None] * V + o_v[None, :]
+
+    if USE_SLOTS:
+        state_row = tl.load(slots + i_n).to(tl.int64)
+        # the null slot (0) is neither read nor written
+        m_state = (m_k[:, None] & m_v[None, :]) & (tl.zeros([BK, BV], dtype=tl.int64) + state_row > 0)
+    else:
+        state_row = i_n
+        m_state = m_k[:, None] & m_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + state_row * H * K * V + off_kv, mask=m_state, other=0.0).to(tl.float32)
+
+    for t in range(0, T):
+        tok = i_n * T + t
+        b_q = tl.load(q + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(g + (tok * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + tok * H + i_h).to(tl.float32)
+        if L2NORM_QK:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        if BETA_SIGMOID:
+            b_b = tl.sigmoid(b_b)
+        b_h *= tl.exp(b_g)[:, None]
+        b_u = b_b * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
+        b_h += b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], axis=0) * scale
+        tl.store(o + (tok * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + state_row * H * K * V + off_kv, b_h, mask=m_state)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    ssm_state_indices: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Recurrent KDA over ``[N, T, H, *]`` inputs (T = 1 for a decode step).
+
+    Without ``ssm_state_indices``: ``initial_state`` is ``[N, H, K, V]`` and the final state is
+    returned as a new fp32 tensor when ``output_final_state``.  With ``ssm_state_indices``
+    (int ``[N]``): ``initial_state`` is the fp32 slot pool, updated in place (and returned) except
+    for slot 0, the null slot.
+    """
+    pooled = ssm_state_indices is not None
+    if pooled:
+        if initial_state is None:
+            raise ValueError("ssm_state_indices needs initial_state: the state-slot pool [num_slots, H, K, V]")
+        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+            raise ValueError("initial_state (the slot pool) must be a contiguous float32 tensor")
+    N, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, state_batch=-1 if pooled else None)
+    if pooled:
+        if ssm_state_indices.shape != (N,) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ssm_state_indices must be an integer tensor of shape [{N}], "
+                             f"got {ssm_state_indices.dtype} {tuple(ssm_state_indices.shape)}")
+        if ssm_state_indices.device != q.device:
+            raise ValueError(f"ssm_state_indices is on {ssm_state_indices.device} but q is on {q.device}")
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    BK = block_size(K, 1)
+    BV = min(block_size(V, 1), 32)
+    o = alloc(N, T, H, V, dtype=v.dtype, device=v.device)
+    if pooled:
+        h0 = ht = initial_state
+    else:
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        ht = alloc(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    _kda_fused_recurrent_kernel[(triton.cdiv(V, BV), N, H)](
+        q, k, v, g, beta, o, h0, ht, ssm_state_indices,
+        scale, T,
+        H=H, K=K, V=V, BK=BK, BV=BV,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, USE_SLOTS=pooled,
+        L2NORM_QK=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+        num_warps=1 if BK * BV <= 1024 else 4,
+    )
+    return o, ht

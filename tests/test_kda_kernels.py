@@ -1,0 +1,246 @@
+"""KDA kernels against the float64 references, in fp32, on fresh random inputs (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+from target_stack.ops.kda import (
+    chunk_kda,
+    chunk_kda_cp,
+    fused_recurrent_kda,
+    naive_chunk_kda,
+    naive_recurrent_kda,
+)
+from target_stack.ops.kda.testing import make_inputs, rel_err
+
+TOL = 1e-5
+OPS_DIR = pathlib.Path(__file__).resolve().parents[1] / "target_stack" / "ops"
+
+
+def ref64(q, k, v, g, beta, h0=None, scale=None):
+    return naive_recurrent_kda(
+        *(x.double() for x in (q, k, v, g, beta)),
+        scale=scale,
+        initial_state=None if h0 is None else h0.double(),
+        output_final_state=True,
+    )
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+def test_naive_chunk_equals_naive_recurrent_in_float64(gen):
+    x = make_inputs(2, 77, 3, 16, 24, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(2, 3, 16, 24, dtype=torch.float64, generator=gen)
+    o1, s1 = naive_recurrent_kda(*x, initial_state=h0, output_final_state=True)
+    o2, s2 = naive_chunk_kda(*x, initial_state=h0, output_final_state=True, chunk_size=16)
+    assert o1.dtype == torch.float64 and s1.dtype == torch.float64
+    assert rel_err(o2, o1) < 1e-12 and rel_err(s2, s1) < 1e-12
+
+
+def test_naive_recurrent_matches_fla_reference(gen):
+    fla_naive = pytest.importorskip("fla.ops.kda.naive")
+    x = make_inputs(2, 33, 2, 32, 16, generator=gen)
+    h0 = torch.randn(2, 2, 32, 16, generator=gen)
+    o, s = naive_recurrent_kda(*(t.double() for t in x), initial_state=h0.double(), output_final_state=True)
+    fo, fs = fla_naive.naive_recurrent_kda(*x, initial_state=h0, output_final_state=True)
+    assert rel_err(fo, o) < 1e-5 and rel_err(fs, s) < 1e-5
+
+
+def test_naive_recurrent_is_the_delta_rule(gen):
+    """One token by hand: S1 = (I - b k k^T) Diag(exp(g)) S0 + b k v^T, o = scale S1^T q."""
+    q, k, v, g, beta = make_inputs(1, 1, 1, 8, 4, dtype=torch.float64, generator=gen)
+    S0 = torch.randn(1, 1, 8, 4, dtype=torch.float64, generator=gen)
+    kk, b = k[0, 0, 0], beta[0, 0, 0]
+    A = (torch.eye(8, dtype=torch.float64) - b * torch.outer(kk, kk)) @ torch.diag(g[0, 0, 0].exp())
+    S1 = A @ S0[0, 0] + b * torch.outer(kk, v[0, 0, 0])
+    o, s = naive_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert torch.allclose(s[0, 0], S1) and torch.allclose(o[0, 0, 0], S1.T @ q[0, 0, 0] * 8**-0.5)
+
+
+# --- chunk -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "B,T,H,K,V,use_h0",
+    [
+        (1, 64, 1, 16, 16, False),  # exactly one chunk
+        (2, 100, 2, 32, 16, True),  # T not a multiple of the chunk size, B > 1, K != V
+        (1, 130, 3, 16, 48, False),  # three chunks, V tiled
+        (1, 7, 1, 64, 32, True),  # shorter than a chunk
+    ],
+)
+def test_chunk_kda_matches_reference(B, T, H, K, V, use_h0, gen):
+    x = make_inputs(B, T, H, K, V, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) if use_h0 else None
+    o, s = chunk_kda(*x, initial_state=h0, output_final_state=True)
+    ro, rs = ref64(*x, h0=h0)
+    assert o.shape == (B, T, H, V) and o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_err(o, ro) < TOL, rel_err(o, ro)
+    assert rel_err(s, rs) < TOL, rel_err(s, rs)
+
+
+def test_chunk_kda_varlen_matches_per_sequence_reference(gen):
+    lens = [5, 70, 1, 64, 33]
+    T, H, K, V = sum(lens), 2, 32, 16
+    x = make_inputs(1, T, H, K, V, generator=gen)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    h0 = torch.randn(len(lens), H, K, V, generator=gen)
+    o, s = chunk_kda(*x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        ro, rs = ref64(*(t[:, a:b] for t in x), h0=h0[n : n + 1])
+        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
+
+
+def test_chunk_kda_large_decay_does_not_overflow(gen):
+    """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""
+    q, k, v, g, beta = make_inputs(1, 128, 1, 16, 16, generator=gen)
+    g = g - 4.0
+    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    ro, rs = ref64(q, k, v, g, beta)
+    assert torch.isfinite(o).all() and rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+def test_chunk_kda_bf16_inputs(gen):
+    x = make_inputs(1, 80, 2, 32, 32, generator=gen)
+    xb = tuple(t.bfloat16() for t in x)
+    o, s = chunk_kda(*xb, output_final_state=True)
+    ro, rs = ref64(*xb)  # same (bf16-rounded) inputs: only the kernel's arithmetic differs
+    assert o.dtype == torch.bfloat16 and rel_err(o, ro) < 1e-2 and rel_err(s, rs) < TOL
+
+
+# --- fused recurrent -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B,T,H,K,V,use_h0", [(3, 1, 2, 32, 48, True), (2, 19, 1, 16, 16, False), (1, 5, 4, 64, 32, True)])
+def test_fused_recurrent_matches_reference(B, T, H, K, V, use_h0, gen):
+    x = make_inputs(B, T, H, K, V, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen) if use_h0 else None
+    o, s = fused_recurrent_kda(*x, initial_state=h0, output_final_state=True)
+    ro, rs = ref64(*x, h0=h0)
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+def test_fused_recurrent_in_kernel_l2norm_and_beta_sigmoid(gen):
+    q, k, v, g, beta = make_inputs(2, 3, 2, 32, 16, generator=gen)
+    q_raw, k_raw = q * 3.0, torch.randn(k.shape, generator=gen)
+    logits = torch.randn(beta.shape, generator=gen)
+    o, s = fused_recurrent_kda(q_raw, k_raw, v, g, logits, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    norm = lambda t: t / torch.sqrt((t.double() ** 2).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    ro, rs = ref64(norm(q_raw), norm(k_raw), v, g, torch.sigmoid(logits.double()))
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+def test_fused_recurrent_pool_updates_slots_in_place_and_never_writes_null_slot(gen):
+    H, K, V = 2, 32, 16
+    pool = torch.randn(6, H, K, V, generator=gen)
+    pool[0] = 1e30  # the null slot, poisoned
+    before = pool.clone()
+    slots = torch.tensor([4, 0, 2, 0], dtype=torch.int32)
+    x = make_inputs(4, 1, H, K, V, generator=gen)
+    o, ret = fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)
+    assert ret is pool
+    assert torch.equal(pool[0], before[0])  # bit-identical
+    for untouched in (1, 3, 5):
+        assert torch.equal(pool[untouched], before[untouched])
+    for row, slot in ((0, 4), (2, 2)):
+        ro, rs = ref64(*(t[row : row + 1] for t in x), h0=before[slot : slot + 1])
+        assert rel_err(o[row : row + 1], ro) < TOL and rel_err(pool[slot : slot + 1], rs) < TOL
+    # padded rows read a zero state, never the poisoned slot
+    ro, _ = ref64(*(t[1:2] for t in x))
+    assert rel_err(o[1:2], ro) < TOL
+
+
+def test_decode_steps_continue_a_chunked_prefill(gen):
+    """Prefill with chunk_kda, then decode token by token with the pooled kernel: equals one pass."""
+    T, H, K, V = 70, 2, 32, 32
+    x = make_inputs(1, T + 3, H, K, V, generator=gen)
+    _, s = chunk_kda(*(t[:, :T] for t in x), output_final_state=True)
+    pool = torch.zeros(3, H, K, V)
+    pool[2] = s[0]
+    outs = []
+    for t in range(T, T + 3):
+        o, _ = fused_recurrent_kda(*(z[:, t : t + 1] for z in x), initial_state=pool,
+                                   ssm_state_indices=torch.tensor([2]))
+        outs.append(o)
+    ro, rs = ref64(*x)
+    assert rel_err(torch.cat(outs, 1), ro[:, T:]) < TOL and rel_err(pool[2:3], rs) < TOL
+
+
+# --- context parallel --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 8])
+def test_cp_equals_unpartitioned(P, gen):
+    B, T, H, K, V = 2, 150, 2, 32, 16
+    x = make_inputs(B, T, H, K, V, decay_shift=2.0, generator=gen)
+    h0 = torch.randn(B, H, K, V, generator=gen)
+    o, s = chunk_kda_cp(*x, P, initial_state=h0, output_final_state=True)
+    uo, us = chunk_kda(*x, initial_state=h0, output_final_state=True)
+    ro, rs = ref64(*x, h0=h0)
+    assert rel_err(o, uo) < TOL and rel_err(s, us) < TOL
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+def test_cp_partitions_may_be_single_tokens(gen):
+    x = make_inputs(1, 9, 1, 16, 16, generator=gen)
+    o, s = chunk_kda_cp(*x, 9, output_final_state=True)
+    ro, rs = ref64(*x)
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    q, k, v, g, beta = make_inputs(1, 8, 2, 16, 16)
+    return [
+        ("q", lambda: chunk_kda(q[0], k, v, g, beta)),
+        ("k", lambda: chunk_kda(q, k[:, :4], v, g, beta)),
+        ("v", lambda: chunk_kda(q, k, v[:, :, :1], g, beta)),
+        ("beta", lambda: chunk_kda(q, k, v, g, beta[..., :1])),
+        ("g", lambda: fused_recurrent_kda(q, k, v, g[..., :8], beta)),
+        ("dtype", lambda: chunk_kda(q, k.double(), v, g, beta)),
+        ("device", lambda: chunk_kda(q, k.to("meta"), v, g, beta)),
+        ("initial_state", lambda: chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 8))),
+        ("num_partitions", lambda: chunk_kda_cp(q, k, v, g, beta, 0)),
+        ("num_partitions", lambda: chunk_kda_cp(q, k, v, g, beta, 9)),
+        ("merge_precision", lambda: chunk_kda_cp(q, k, v, g, beta, 2, merge_precision="fp16")),
+        ("cu_seqlens", lambda: chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3, 2, 8]))),
+        ("ssm_state_indices", lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(3, 2, 16, 16),
+                                                          ssm_state_indices=torch.tensor([1, 2]))),
+    ]
+
+
+@pytest.mark.parametrize("name,call", _bad_calls(), ids=lambda x: x if isinstance(x, str) else "")
+def test_bad_input_is_a_clear_value_error(name, call):
+    with pytest.raises(ValueError) as err:
+        call()
+    msg = str(err.value)
+    assert name in msg or (name == "dtype" and "dtype" in msg) or (name == "device" and "on meta" in msg), msg
+
+
+# --- precision is a decision -------------------------------------------------------------------
+
+
+def _dot_calls(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot":
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "tl":
+                yield node
+
+
+def test_every_tl_dot_states_its_input_precision():
+    files = sorted(OPS_DIR.rglob("*.py"))
+    calls = [(f, c) for f in files for c in _dot_calls(f)]
+    assert len(calls) >= 8  # the KDA kernels really are scanned
+    missing = [f"{f.relative_to(OPS_DIR)}:{c.lineno}" for f, c in calls
+               if not any(kw.arg == "input_precision" for kw in c.keywords)]
+    assert not missing, f"tl.dot without input_precision: {missing}"
