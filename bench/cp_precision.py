@@ -86,7 +86,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/out"))
     ap.add_argument("--worker", choices=["truncate", "nearest"], help=argparse.SUPPRESS)
-    ap.add_argument("--case", type=pathlib.Path, help=argparse.SUPPRESS)
+    ap.add_argument("--case", type=pathlib.Path, help="reuse this input case (e.g. the one a GPU run wrote)")
+    ap.add_argument("--native-json", type=pathlib.Path, help="merge the native results of an earlier GPU run")
+    ap.add_argument("--skip-emulated", action="store_true", help="GPU side only (emulate later on a CPU)")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(measure(args.case, "cpu", args.worker)))
@@ -95,18 +97,20 @@ def main() -> int:
     import torch
 
     args.out.mkdir(parents=True, exist_ok=True)
-    case = args.out / "cp_case.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    subprocess.run([sys.executable, __file__, "--out", str(args.out), "--worker", "truncate", "--case", "/dev/null"],
-                   env=env, capture_output=True)  # warm the interpreter's imports
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                    f"import target_stack.ops; from bench.cp_precision import make_case; "
-                    f"import pathlib; make_case(pathlib.Path({str(case)!r}))"], env=env, check=True)
+    case = args.case or args.out / "cp_case.pt"
+    if args.case is None:
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                        f"import target_stack.ops; from bench.cp_precision import make_case; "
+                        f"import pathlib; make_case(pathlib.Path({str(case)!r}))"], env=env, check=True)
     results: dict = {"shape": SHAPE, "decay_shift": DECAY_SHIFT}
-    if torch.cuda.is_available():
+    if args.native_json:
+        earlier = json.loads(args.native_json.read_text())
+        results.update(device=earlier["device"], native=earlier["native"])
+    elif torch.cuda.is_available():
         results["device"] = torch.cuda.get_device_name(0)
         results["native"] = measure(case, "cuda", None)
-    for rounding in ("truncate", "nearest"):
+    for rounding in () if args.skip_emulated else ("truncate", "nearest"):
         out = subprocess.run([sys.executable, __file__, "--worker", rounding, "--case", str(case)],
                              env=env, capture_output=True, text=True)
         if out.returncode != 0:
@@ -120,7 +124,7 @@ def main() -> int:
     for prec in PRECISIONS:
         for P in PARTS:
             vals = [results[s]["cp"][f"{prec}/{P}"]["o"] for s in sides]
-            ratio = f"  emulated/native {vals[1] / vals[0]:.2f}" if "native" in results else ""
+            ratio = f"  emulated/native {vals[1] / vals[0]:.2f}" if "native" in results and len(vals) > 1 else ""
             print(f"  {prec:7s} P={P:<3d} " + "  ".join(f"{v:.2e}" for v in vals) + ratio)
     print("merge chain (64x64) error vs float64")
     for prec in PRECISIONS:

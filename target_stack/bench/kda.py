@@ -50,6 +50,7 @@ def _measure(name: str, make_call: Callable[[dict], Callable[[], object]], sets:
              copy_bw: float) -> dict:
     from target_stack.bench.timing import eager_time, graph_time
 
+    print(f"  measuring {name} ({len(sets)} input sets)", flush=True)
     row: dict = {"impl": name}
     try:
         row["kernel_us"] = graph_time([make_call(s) for s in sets]) * 1e6
@@ -88,9 +89,10 @@ def bench_decode(copy_bw: float, fla) -> list[dict]:
             impls.append(("fla", theirs))
         s0 = sets[0]
         qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (s0["q"], s0["k"]))
-        ro, rs = naive_recurrent_kda(qn, kn, s0["v"].double(), s0["g"].double(), s0["beta"].double(),
-                                     initial_state=s0["pool"][1:].double(), output_final_state=True)
         for name, make in impls:
+            # reference from the pool as it is now: timed decode steps update the pools in place
+            ro, rs = naive_recurrent_kda(qn, kn, s0["v"].double(), s0["g"].double(), s0["beta"].double(),
+                                         initial_state=s0["pool"][1:].double(), output_final_state=True)
             check = dict(s0, pool=s0["pool"].clone())
             check["pool"][0] = float("nan")  # the null slot: must stay untouched
             o = make(check)()

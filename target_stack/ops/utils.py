@@ -105,3 +105,39 @@ def alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if _poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+class CachedLaunch:
+    """Launch a Triton kernel through its compiled launcher once it has been compiled for a key.
+
+    Triton's generic ``kernel[grid](...)`` path binds and specialises every argument on every
+    call: on an H200 with Triton 3.6 that costs ~34 us for the decode kernel, seven times the
+    kernel itself at batch 1 (bench/RESULTS.md).  For a key that pins everything Triton
+    specialises on (shapes, dtypes, flags, and 16-byte alignment of every pointer, checked per
+    call), the compiled kernel is reused and launched directly.  Anything unexpected (the
+    interpreter, another Triton internals layout) falls back to the generic path for good.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled: dict = {}
+        self.enabled = not interpreting()
+
+    def __call__(self, grid, key, args: tuple, constexprs: dict):
+        if self.enabled and all(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)):
+            entry = self.compiled.get(key)
+            if entry is not None:
+                compiled, order = entry
+                try:
+                    bound = dict(zip(order, args)) | constexprs
+                    stream = torch.cuda.current_stream().cuda_stream
+                    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                                 None, None, None, *(bound[name] for name in self.fn.arg_names))
+                    return
+                except Exception:  # noqa: BLE001 - internals differ: use the generic path from now on
+                    self.enabled = False
+            compiled = self.fn[grid](*args, **constexprs)
+            if self.enabled and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+                self.compiled[key] = (compiled, self.fn.arg_names[: len(args)])
+            return
+        self.fn[grid](*args, **constexprs)

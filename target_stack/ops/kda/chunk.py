@@ -29,13 +29,21 @@ CHUNK_SIZE = 64
 
 
 @triton.jit
+def _dot(a, b, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b: on 16-bit operands when the inputs were 16-bit (LOWP), else fp32 at DOT_PRECISION."""
+    if LOWP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), input_precision=DOT_PRECISION)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _kda_intra_kernel(
-    q, k, v, g, beta, gc, w, u, Pqk,
+    q, k, v, g, beta, gc, Akk, w, u, Pqk,
     cu_seqlens, chunk_seq, chunk_pos,
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, LOG2_BT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
+    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -47,35 +55,71 @@ def _kda_intra_kernel(
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     m_t = (t0 + rows) < eos
-    causal = (rows[:, None] >= cols[None, :])[:, :, None]
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
 
     # Cumulative log decay G within the chunk, as an exact fp32 product with a triangle of ones.
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_tri = tl.where(causal.reshape(BT, BT), 1.0, 0.0)
+    b_tri = tl.where(rows[:, None] >= cols[None, :], 1.0, 0.0)
     tl.store(gc + off_tk, tl.dot(b_tri, b_g, input_precision="ieee"), mask=m_tk)
     tl.debug_barrier()
 
-    # L[i, j] = <k_i, k_j exp(G_i - G_j)> and P[i, j] = <q_i, k_j exp(G_i - G_j)>, accumulated over
-    # slices of BKC channels as [BT, BT, BKC] products; the exponent is masked to j <= i before
-    # exp(), so it is never positive and nothing can overflow.
-    b_L = tl.zeros([BT, BT], dtype=tl.float32)
-    b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    for kk in range(0, BK, BKC):
-        o_k = kk + tl.arange(0, BKC)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-        b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
-        b_dec = tl.exp(tl.where(causal, b_gc[:, None, :] - b_gc[None, :, :], float("-inf")))
-        b_kj = b_k[None, :, :] * b_dec
-        b_L += tl.sum(b_k[:, None, :] * b_kj, axis=2)
-        b_P += tl.sum(b_q[:, None, :] * b_kj, axis=2)
+    # L[i, j] = <k_i, k_j exp(G_i - G_j)> (j < i) and P[i, j] = <q_i, k_j exp(G_i - G_j)> (j <= i),
+    # by sub-blocks of BC rows.  Off-diagonal blocks are two products gated around a reference
+    # G_r, the cumulative decay just before block i: G_i <= G_r <= G_j, so both gates are <= 1.
+    # Diagonal blocks are built exactly, as [BC, BC, BKC] products with the exponent masked to
+    # j <= i before exp().  No exponent is ever positive; padding rows never reach exp().
+    sub = tl.arange(0, BC)
+    o_c = tl.arange(0, BKC)
+    diag = (sub[:, None] >= sub[None, :])[:, :, None]
+    for bi in tl.static_range(BT // BC):
+        r_i = t0 + bi * BC + sub
+        m_i = r_i < eos
+        m_ik = m_i[:, None] & m_k[None, :]
+        off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
+        off_ij = (r_i * H + i_h)[:, None] * BT
+        if bi > 0:
+            r_ref = tl.minimum(t0 + bi * BC, eos) - 1  # (past eos the whole block is padding)
+            g_ref = tl.load(gc + (r_ref * H + i_h) * K + o_k, mask=m_k, other=0.0)
+            b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
+            gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
+            b_kgi = b_ki * gate_i
+            b_qgi = b_qi * gate_i
+            for bj in tl.static_range(bi):
+                r_j = t0 + bj * BC + sub
+                m_jk = (r_j < eos)[:, None] & m_k[None, :]
+                off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
+                b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
+                b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
+                b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
+                tl.store(Akk + off_ij + bj * BC + sub[None, :], _dot(b_kgi, b_kgj, LOWP, DOT_PRECISION),
+                         mask=m_i[:, None])
+                tl.store(Pqk + off_ij + bj * BC + sub[None, :], _dot(b_qgi, b_kgj, LOWP, DOT_PRECISION) * scale,
+                         mask=m_i[:, None])
+        b_L = tl.zeros([BC, BC], dtype=tl.float32)
+        b_P = tl.zeros([BC, BC], dtype=tl.float32)
+        valid = diag & (m_i[:, None] & m_i[None, :])[:, :, None]
+        for kk in range(0, BK, BKC):
+            m_c = m_i[:, None] & (kk + o_c < K)[None, :]
+            off_c = (r_i * H + i_h)[:, None] * K + kk + o_c[None, :]
+            b_qc = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
+            b_kc = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+            b_gcc = tl.load(gc + off_c, mask=m_c, other=0.0)
+            b_kd3 = b_kc[None, :, :] * tl.exp(tl.where(valid, b_gcc[:, None, :] - b_gcc[None, :, :], float("-inf")))
+            b_L += tl.sum(b_kc[:, None, :] * b_kd3, axis=2)
+            b_P += tl.sum(b_qc[:, None, :] * b_kd3, axis=2)
+        tl.store(Akk + off_ij + bi * BC + sub[None, :], b_L, mask=m_i[:, None])
+        tl.store(Pqk + off_ij + bi * BC + sub[None, :], b_P * scale, mask=m_i[:, None])
+    tl.debug_barrier()
+
+    off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
+    lower = rows[:, None] > cols[None, :]
     b_b = tl.load(beta + (t0 + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_L = tl.where(rows[:, None] > cols[None, :], b_L * b_b[:, None], 0.0)
+    b_L = tl.load(Akk + off_tt, mask=m_t[:, None] & lower, other=0.0) * b_b[:, None]
 
     # X = (I + L)^-1 by recursive doubling: X holds the inverses of the diagonal s-blocks; the
     # lower-left s-block C of each 2s-block becomes -B^-1 C A^-1 = -(X C X) there.
@@ -90,14 +134,10 @@ def _kda_intra_kernel(
         s = s * 2
     b_T = b_X * b_b[None, :]  # the UT transform T = (I + L)^-1 Diag(b)
 
-    off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
-    tl.store(Pqk + off_tt, tl.where(causal.reshape(BT, BT), b_P * scale, 0.0), mask=m_t[:, None])
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
-    tl.store(w + off_tk, tl.dot(b_T, b_k * tl.exp(b_gc), input_precision=DOT_PRECISION), mask=m_tk)
+    b_kg = tl.where(m_tk, b_k * tl.exp(b_gc), 0.0)
+    tl.store(w + off_tk, tl.dot(b_T, b_kg, input_precision=DOT_PRECISION), mask=m_tk)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -113,7 +153,7 @@ def _kda_state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
@@ -134,8 +174,9 @@ def _kda_state_kernel(
     if USE_INITIAL_STATE:
         b_S += tl.load(h0 + (i_n * H + i_h) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
 
-    for i_c in range(0, (eos - bos + BT - 1) // BT):
-        t0 = bos + i_c * BT
+    i_c = 0
+    t0 = bos
+    while t0 < eos:
         tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
         m_t = (t0 + rows) < eos
         m_tk = m_t[:, None] & m_k[None, :]
@@ -144,7 +185,7 @@ def _kda_state_kernel(
         off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
         b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
         b_u = tl.load(u + off_tv, mask=m_tv, other=0.0)
-        b_vn = b_u - tl.dot(b_w, b_S, input_precision=DOT_PRECISION)
+        b_vn = b_u - _dot(b_w, b_S, LOWP, DOT_PRECISION)
         tl.store(v_new + off_tv, b_vn, mask=m_tv)
 
         t_last = tl.minimum(t0 + BT, eos) - 1
@@ -152,7 +193,9 @@ def _kda_state_kernel(
         b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
         b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
-        b_S = b_S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=DOT_PRECISION)
+        b_S = b_S * tl.exp(g_last)[:, None] + _dot(tl.trans(b_kd), b_vn, LOWP, DOT_PRECISION)
+        i_c += 1
+        t0 += BT
 
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
@@ -165,7 +208,7 @@ def _kda_output_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
@@ -191,9 +234,10 @@ def _kda_output_kernel(
     b_qg = b_q * tl.exp(b_gc) * scale
     b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :], mask=m_t[:, None], other=0.0)
+    b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :],
+                  mask=m_t[:, None] & (rows[:, None] >= rows[None, :]), other=0.0)  # only j <= i is written
     b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
-    b_o = tl.dot(b_qg, b_S, input_precision=DOT_PRECISION) + tl.dot(b_P, b_vn, input_precision=DOT_PRECISION)
+    b_o = _dot(b_qg, b_S, LOWP, DOT_PRECISION) + _dot(b_P, b_vn, LOWP, DOT_PRECISION)
     tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -279,17 +323,22 @@ def chunk_kda_fwd(
     NT = chunk_seq.numel()
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # 16-bit inputs: the inter-chunk products take 16-bit operands (fp32 accumulate), as in
+    # flash-linear-attention; fp32 inputs keep fp32 operands at ``precision``.  The interpreter's
+    # 16-bit dot is not trustworthy, so it always takes the fp32 path.
+    lowp = q.element_size() == 2 and not interpreting()
     f32 = dict(dtype=torch.float32, device=q.device)
     gc = alloc(B, T, H, K, **f32)
     w = alloc(B, T, H, K, **f32)
     u = alloc(B, T, H, V, **f32)
+    Akk = alloc(B, T, H, BT, **f32)
     Pqk = alloc(B, T, H, BT, **f32)
-    # The [BT, BT, BKC] decay products live in registers on a GPU; the interpreter prefers one slice.
-    BKC = BK if interpreting() else 4
+    # The [BC, BC, BKC] decay products live in registers on a GPU; the interpreter prefers one slice.
+    BKC = BK if interpreting() else 16
     _kda_intra_kernel[(NT, H)](
-        q, k, v, g, beta, gc, w, u, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, BKC=BKC, LOG2_BT=BT.bit_length() - 1,
-        DOT_PRECISION=precision, num_warps=8 if BKC < BK else 4,
+        q, k, v, g, beta, gc, Akk, w, u, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
+        H=H, K=K, V=V, BT=BT, BC=16, BK=BK, BV=BV, BKC=BKC, LOG2_BT=BT.bit_length() - 1,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
     )
     h = alloc(NT, H, K, V, **f32)
     v_new = alloc(B, T, H, V, **f32)
@@ -299,11 +348,12 @@ def chunk_kda_fwd(
     _kda_state_kernel[(NV, n_seq, H)](
         k, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, DOT_PRECISION=precision,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=8, num_stages=2,
     )
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     _kda_output_kernel[(NV, NT, H)](
         q, gc, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, DOT_PRECISION=precision,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOWP=lowp, DOT_PRECISION=precision,
     )
     return o, ht

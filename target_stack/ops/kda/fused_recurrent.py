@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import alloc, block_size, check_kda_inputs
+from target_stack.ops.utils import CachedLaunch, alloc, block_size, check_kda_inputs
 
 
 @triton.jit
@@ -69,6 +69,9 @@ def _kda_fused_recurrent_kernel(
         tl.store(ht + state_row * H * K * V + off_kv, b_h, mask=m_state)
 
 
+_launch = CachedLaunch(_kda_fused_recurrent_kernel)
+
+
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,12 +115,12 @@ def fused_recurrent_kda(
     else:
         h0 = initial_state.contiguous() if initial_state is not None else None
         ht = alloc(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
-    _kda_fused_recurrent_kernel[(triton.cdiv(V, BV), N, H)](
-        q, k, v, g, beta, o, h0, ht, ssm_state_indices,
-        scale, T,
-        H=H, K=K, V=V, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, USE_SLOTS=pooled,
-        L2NORM_QK=use_qk_l2norm_in_kernel, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
-        num_warps=1 if BK * BV <= 1024 else 4,
+    flags = dict(USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, USE_SLOTS=pooled,
+                 L2NORM_QK=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel))
+    key = (N, T, H, K, V, q.dtype, g.dtype, beta.dtype, q.device, pooled and ssm_state_indices.dtype, *flags.values())
+    _launch(
+        (triton.cdiv(V, BV), N, H), key,
+        (q, k, v, g, beta, o, h0, ht, ssm_state_indices, scale, T),
+        dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=1 if BK * BV <= 1024 else 4),
     )
     return o, ht

@@ -1,0 +1,109 @@
+"""Per-kernel timing of target_stack's KDA prefill and the decode wrapper's host overhead (GPU).
+
+    python bench/profile_kda.py
+
+A development tool: it times each of chunk_kda's three kernels separately across launch
+variants, and splits the eager decode call into validation, allocation and launch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import pathlib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import target_stack.ops.kda.chunk as C  # noqa: E402
+from target_stack.ops.kda import fused_recurrent_kda  # noqa: E402
+from target_stack.ops.kda.testing import make_inputs  # noqa: E402
+from target_stack.ops.utils import check_kda_inputs  # noqa: E402
+
+
+def prefill(T=4096, H=16, K=128, V=128):
+    q, k, v, g, beta = make_inputs(1, T, H, K, V, dtype=torch.bfloat16, device="cuda", decay_shift=3.0)
+    g, beta = g.float(), beta.float()
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    seq, pos, offs = C.prepare_chunks(cu, C.CHUNK_SIZE)
+    NT = seq.numel()
+    BT, BK = 64, 128
+    f32 = dict(dtype=torch.float32, device="cuda")
+    gc, w = torch.empty(1, T, H, K, **f32), torch.empty(1, T, H, K, **f32)
+    Akk = torch.empty(1, T, H, BT, **f32)
+    u, Pqk = torch.empty(1, T, H, V, **f32), torch.empty(1, T, H, BT, **f32)
+    h, v_new = torch.empty(NT, H, K, V, **f32), torch.empty(1, T, H, V, **f32)
+    ht = torch.empty(1, H, K, V, **f32)
+    o = torch.empty_like(v)
+    scale = K**-0.5
+    print(f"prefill T={T} H={H} K={K} V={V}: {NT} chunks")
+    for BKC in (8, 16, 32):
+        for nw in (4, 8):
+            for lowp in (True, False):
+                try:
+                    t = do_bench(lambda: C._kda_intra_kernel[(NT, H)](
+                        q, k, v, g, beta, gc, Akk, w, u, Pqk, cu, seq, pos, scale, H=H, K=K, V=V, BT=BT, BC=16,
+                        BK=BK, BV=32, BKC=BKC, LOG2_BT=6, LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
+                    print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {t * 1e3:8.1f} us")
+                except Exception as e:  # noqa: BLE001
+                    print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {type(e).__name__} {str(e)[:80]}")
+    for lowp, prec in ((True, "tf32x3"), (False, "tf32x3"), (False, "tf32")):
+        for BV in (32, 64):
+            for nw in (4, 8):
+                try:
+                    t = do_bench(lambda: C._kda_state_kernel[(triton.cdiv(V, BV), 1, H)](
+                        k, gc, w, u, v_new, h, None, ht, cu, offs, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                        USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, LOWP=lowp, DOT_PRECISION=prec,
+                        num_warps=nw, num_stages=2))
+                    print(f"  state  lowp={lowp} {prec:6s} BV={BV} warps={nw}: {t * 1e3:8.1f} us")
+                except Exception as e:  # noqa: BLE001
+                    print(f"  state  lowp={lowp} {prec:6s} BV={BV} warps={nw}: {type(e).__name__} {str(e)[:80]}")
+    for lowp in (True, False):
+        for BV in (32, 64):
+            for nw in (4, 8):
+                t = do_bench(lambda: C._kda_output_kernel[(triton.cdiv(V, BV), NT, H)](
+                    q, gc, Pqk, v_new, h, o, cu, seq, pos, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                    LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
+                print(f"  output lowp={lowp} BV={BV} warps={nw}: {t * 1e3:8.1f} us")
+
+
+def decode_overhead(N=1, H=32, K=128, V=128):
+    q, k, v, g, beta = make_inputs(N, 1, H, K, V, dtype=torch.bfloat16, device="cuda")
+    g, beta = g.float(), beta.float()
+    pool = torch.randn(N + 1, H, K, V, device="cuda")
+    slots = torch.arange(1, N + 1, dtype=torch.int32, device="cuda")
+
+    def per_call(fn, n=2000):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    print(f"decode wrapper, batch {N}")
+    print(f"  full call        {per_call(lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)):6.1f} us")
+    print(f"  check_kda_inputs {per_call(lambda: check_kda_inputs(q, k, v, g, beta, pool, state_batch=-1)):6.1f} us")
+    print(f"  5x contiguous    {per_call(lambda: [x.contiguous() for x in (q, k, v, g, beta)]):6.1f} us")
+    print(f"  empty_like       {per_call(lambda: torch.empty_like(v)):6.1f} us")
+    o = torch.empty_like(v)
+    from target_stack.ops.kda.fused_recurrent import _kda_fused_recurrent_kernel as kern
+
+    def launch():
+        kern[(4, N, H)](q, k, v, g, beta, o, pool, pool, slots, K**-0.5, 1, H=H, K=K, V=V, BK=128, BV=32,
+                        USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True, L2NORM_QK=True,
+                        BETA_SIGMOID=False, num_warps=4)
+    print(f"  bare launch      {per_call(launch):6.1f} us")
+    from target_stack.ops.kda import fused_recurrent as FR
+
+    print(f"  cached launch on: {FR._launch.enabled}, cached keys {len(FR._launch.compiled)}")
+
+
+if __name__ == "__main__":
+    decode_overhead()
+    prefill()
