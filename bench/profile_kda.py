@@ -102,8 +102,20 @@ def decode_overhead(N=1, H=32, K=128, V=128):
     from target_stack.ops.kda import fused_recurrent as FR
 
     print(f"  cached launch on: {FR._launch.enabled}, cached keys {len(FR._launch.compiled)}")
+    x = torch.ones(16, device="cuda")
+    print(f"  torch x.add_(1)  {per_call(lambda: x.add_(1)):6.1f} us   (the host's floor for one launch)")
+    print(f"  current_stream   {per_call(lambda: torch.cuda.current_stream().cuda_stream):6.1f} us")
+    args = (q, k, v, g, beta, o, pool, pool, slots, K**-0.5, 1)
+    consts = dict(H=H, K=K, V=V, BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True,
+                  L2NORM_QK=True, BETA_SIGMOID=False, num_warps=4)
+    compiled, order = next(iter(FR._launch.compiled.values()))
+    bound = dict(zip(order, args)) | consts
+    flat = [bound[name] for name in kern.arg_names]
+    stream = torch.cuda.current_stream().cuda_stream
+    print(f"  compiled.run     {per_call(lambda: compiled.run(4, N, H, stream, compiled.function, compiled.packed_metadata, None, None, None, *flat)):6.1f} us")
 
 
 if __name__ == "__main__":
     decode_overhead()
-    prefill()
+    if "--decode-only" not in sys.argv:
+        prefill()

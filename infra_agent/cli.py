@@ -54,5 +54,127 @@ def demo(
     sys.exit(run_demo(console, tokens=tokens, seed=seed))
 
 
+manifest_app = typer.Typer(help="The target manifest (infra-agent.yaml): schema and validation.",
+                            no_args_is_help=True)
+app.add_typer(manifest_app, name="manifest")
+
+
+@manifest_app.command("schema")
+def manifest_schema() -> None:
+    """Print the manifest's JSON Schema."""
+    import json
+
+    from feedback.manifest import schema
+
+    print(json.dumps(schema(), indent=2))
+
+
+@manifest_app.command("check")
+def manifest_check(directory: str = typer.Argument(None, help="target root (default: the bundled target_stack)")) -> None:
+    """Validate a target's manifest without running anything."""
+    from feedback.manifest import ManifestError, load_manifest
+
+    root = _target_root(directory)
+    try:
+        m = load_manifest(root)
+    except ManifestError as exc:
+        fail(str(exc))
+    console.print(f"[green]ok[/] {root / 'infra-agent.yaml'}: {m.name}, {len(m.probes)} probes, "
+                  f"{len(m.acceptance)} acceptance criteria, {len(m.risk)} risk rules, {len(m.protected)} protected paths")
+
+
+def _target_root(directory: str | None):
+    import pathlib
+
+    if directory is None:
+        from feedback.targets import bundled_tree
+
+        return bundled_tree()
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        fail(f"target {directory} is not a directory")
+    return root.resolve()
+
+
+@app.command()
+def feedback(
+    target: str = typer.Option(None, "--target", help="target root with an infra-agent.yaml (default: bundled stack)"),
+    probe: list[str] = typer.Option(None, "--probe", help="run these probes (repeatable)"),
+    changed_from: str = typer.Option(None, "--changed-from", help="select probes covering files changed since REV"),
+    diff: str = typer.Option(None, "--diff", help="select probes covering the files a unified diff touches"),
+    run_all: bool = typer.Option(False, "--all", help="run every stage even after a failing one"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    trace_dir: str = typer.Option(None, "--trace-dir", help="where trace probes write Chrome/Perfetto traces"),
+    baseline: str = typer.Option(None, "--baseline", help="compare against this revision (default: --changed-from)"),
+    jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="probes run in parallel"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="ignore cached probe results"),
+) -> None:
+    """Judge a target tree with its probes: correctness, microbenchmarks, traces, events, serving metrics.
+
+    Exit code 0: every probe passed; 1: a probe or an acceptance criterion failed; 2: usage or manifest error.
+    """
+    import pathlib
+
+    from feedback.harness import UnknownProbe, judge, judge_revision
+    from feedback.manifest import ManifestError, load_manifest
+    from feedback.select import DiffError, changed_since, files_in_diff
+
+    if changed_from and diff:
+        fail("--changed-from and --diff are alternatives: give one")
+    root = _target_root(target)
+    try:
+        manifest = load_manifest(root)
+        changed = None
+        if changed_from:
+            changed = changed_since(root, changed_from)
+        elif diff:
+            diff_path = pathlib.Path(diff)
+            if not diff_path.is_file():
+                fail(f"--diff {diff}: no such file")
+            changed = files_in_diff(diff_path.read_text(errors="replace"))
+        base_rev = baseline or changed_from
+        keep = None
+        base_tree = None
+        if base_rev:
+            base_tree, keep = judge_revision(root, base_rev)
+        extra_env = {"INFRA_AGENT_TRACE_DIR": str(pathlib.Path(trace_dir).resolve())} if trace_dir else None
+        report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
+                                    run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
+                                    jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
+                                    quiet=as_json, cache_dir=root / ".infra-agent" / "cache")
+        if keep is not None:
+            keep.cleanup()
+    except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
+        fail(str(exc))
+    if as_json:
+        print(report.model_dump_json(indent=2))
+    else:
+        from feedback.report import render
+
+        render(report, console)
+    raise typer.Exit(0 if report.passed else 1)
+
+
+def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
+    """Run the harness with a live progress display (one line per probe) unless quiet."""
+    if quiet:
+        return judge_fn(root, **kwargs)
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("probes", total=0)
+
+        def on_start(specs):
+            progress.update(task, total=len(specs) * (2 if kwargs.get("baseline_tree") else 1),
+                            description=f"running {len(specs)} probes")
+
+        def on_result(side, result):
+            progress.advance(task)
+            progress.update(task, description=f"{side} {result.probe}: {result.status.value}")
+
+        return judge_fn(root, on_start=on_start, on_result=on_result, **kwargs)
+
+
 def main() -> None:  # pragma: no cover - console script entry point
     app()

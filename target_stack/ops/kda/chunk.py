@@ -60,10 +60,9 @@ def _kda_intra_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
 
-    # Cumulative log decay G within the chunk, as an exact fp32 product with a triangle of ones.
+    # Cumulative log decay G within the chunk.
     b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_tri = tl.where(rows[:, None] >= cols[None, :], 1.0, 0.0)
-    tl.store(gc + off_tk, tl.dot(b_tri, b_g, input_precision="ieee"), mask=m_tk)
+    tl.store(gc + off_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
     tl.debug_barrier()
 
     # L[i, j] = <k_i, k_j exp(G_i - G_j)> (j < i) and P[i, j] = <q_i, k_j exp(G_i - G_j)> (j <= i),
@@ -75,45 +74,46 @@ def _kda_intra_kernel(
     o_c = tl.arange(0, BKC)
     diag = (sub[:, None] >= sub[None, :])[:, :, None]
     for bi in tl.static_range(BT // BC):
-        r_i = t0 + bi * BC + sub
-        m_i = r_i < eos
-        m_ik = m_i[:, None] & m_k[None, :]
-        off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
-        off_ij = (r_i * H + i_h)[:, None] * BT
-        if bi > 0:
-            r_ref = tl.minimum(t0 + bi * BC, eos) - 1  # (past eos the whole block is padding)
-            g_ref = tl.load(gc + (r_ref * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
-            gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
-            b_kgi = b_ki * gate_i
-            b_qgi = b_qi * gate_i
-            for bj in tl.static_range(bi):
-                r_j = t0 + bj * BC + sub
-                m_jk = (r_j < eos)[:, None] & m_k[None, :]
-                off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
-                b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
-                b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
-                b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
-                tl.store(Akk + off_ij + bj * BC + sub[None, :], _dot(b_kgi, b_kgj, LOWP, DOT_PRECISION),
-                         mask=m_i[:, None])
-                tl.store(Pqk + off_ij + bj * BC + sub[None, :], _dot(b_qgi, b_kgj, LOWP, DOT_PRECISION) * scale,
-                         mask=m_i[:, None])
-        b_L = tl.zeros([BC, BC], dtype=tl.float32)
-        b_P = tl.zeros([BC, BC], dtype=tl.float32)
-        valid = diag & (m_i[:, None] & m_i[None, :])[:, :, None]
-        for kk in range(0, BK, BKC):
-            m_c = m_i[:, None] & (kk + o_c < K)[None, :]
-            off_c = (r_i * H + i_h)[:, None] * K + kk + o_c[None, :]
-            b_qc = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
-            b_kc = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
-            b_gcc = tl.load(gc + off_c, mask=m_c, other=0.0)
-            b_kd3 = b_kc[None, :, :] * tl.exp(tl.where(valid, b_gcc[:, None, :] - b_gcc[None, :, :], float("-inf")))
-            b_L += tl.sum(b_kc[:, None, :] * b_kd3, axis=2)
-            b_P += tl.sum(b_qc[:, None, :] * b_kd3, axis=2)
-        tl.store(Akk + off_ij + bi * BC + sub[None, :], b_L, mask=m_i[:, None])
-        tl.store(Pqk + off_ij + bi * BC + sub[None, :], b_P * scale, mask=m_i[:, None])
+        if t0 + bi * BC < eos:  # blocks wholly past the sequence end (short last chunk) are skipped
+            r_i = t0 + bi * BC + sub
+            m_i = r_i < eos
+            m_ik = m_i[:, None] & m_k[None, :]
+            off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
+            off_ij = (r_i * H + i_h)[:, None] * BT
+            if bi > 0:
+                r_ref = tl.minimum(t0 + bi * BC, eos) - 1  # (past eos the whole block is padding)
+                g_ref = tl.load(gc + (r_ref * H + i_h) * K + o_k, mask=m_k, other=0.0)
+                b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+                b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+                b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
+                gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
+                b_kgi = b_ki * gate_i
+                b_qgi = b_qi * gate_i
+                for bj in tl.static_range(bi):
+                    r_j = t0 + bj * BC + sub
+                    m_jk = (r_j < eos)[:, None] & m_k[None, :]
+                    off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
+                    b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
+                    b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
+                    b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
+                    tl.store(Akk + off_ij + bj * BC + sub[None, :], _dot(b_kgi, b_kgj, LOWP, DOT_PRECISION),
+                             mask=m_i[:, None])
+                    tl.store(Pqk + off_ij + bj * BC + sub[None, :], _dot(b_qgi, b_kgj, LOWP, DOT_PRECISION) * scale,
+                             mask=m_i[:, None])
+            b_L = tl.zeros([BC, BC], dtype=tl.float32)
+            b_P = tl.zeros([BC, BC], dtype=tl.float32)
+            valid = diag & (m_i[:, None] & m_i[None, :])[:, :, None]
+            for kk in range(0, BK, BKC):
+                m_c = m_i[:, None] & (kk + o_c < K)[None, :]
+                off_c = (r_i * H + i_h)[:, None] * K + kk + o_c[None, :]
+                b_qc = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
+                b_kc = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+                b_gcc = tl.load(gc + off_c, mask=m_c, other=0.0)
+                b_kd3 = b_kc[None, :, :] * tl.exp(tl.where(valid, b_gcc[:, None, :] - b_gcc[None, :, :], float("-inf")))
+                b_L += tl.sum(b_kc[:, None, :] * b_kd3, axis=2)
+                b_P += tl.sum(b_qc[:, None, :] * b_kd3, axis=2)
+            tl.store(Akk + off_ij + bi * BC + sub[None, :], b_L, mask=m_i[:, None])
+            tl.store(Pqk + off_ij + bi * BC + sub[None, :], b_P * scale, mask=m_i[:, None])
     tl.debug_barrier()
 
     off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]

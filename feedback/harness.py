@@ -1,0 +1,112 @@
+"""Judge a tree: select probes, run the cascade on the candidate (and its baseline), report."""
+
+from __future__ import annotations
+
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+
+from feedback.manifest import Manifest, ProbeSpec, load_manifest
+from feedback.models import FeedbackReport, ProbeResult, Status
+from feedback.report import compare, content_hashes, evaluate_acceptance
+from feedback.runner import Runner
+from feedback.select import order, select, stages
+
+
+class UnknownProbe(ValueError):
+    pass
+
+
+def resolve_probes(manifest: Manifest, ids: list[str]) -> list[ProbeSpec]:
+    known = [p.id for p in manifest.probes]
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise UnknownProbe(f"unknown probe id {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    return [manifest.probe(i) for i in ids]
+
+
+def judge(
+    tree: str | pathlib.Path,
+    *,
+    manifest: Manifest | None = None,
+    probe_ids: list[str] | None = None,
+    changed: list[str] | None = None,
+    run_all: bool = False,
+    baseline_tree: str | pathlib.Path | None = None,
+    baseline_label: str | None = None,
+    label: str | None = None,
+    jobs: int = 2,
+    use_cache: bool = True,
+    cache_dir: str | pathlib.Path | None = None,
+    extra_env: dict[str, str] | None = None,
+    on_start: Callable[[list[ProbeSpec]], None] | None = None,
+    on_result: Callable[[str, ProbeResult], None] | None = None,
+) -> FeedbackReport:
+    """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
+
+    Probes are the named ones, or those whose covers match ``changed``, or all of them.  Stages
+    run cheapest first (static, correctness, microbench, trace, events, e2e); the cascade stops
+    after the first stage in which a candidate probe fails, unless ``run_all``.
+    """
+    t0 = time.perf_counter()
+    tree = pathlib.Path(tree).resolve()
+    manifest = manifest or load_manifest(tree)
+    if probe_ids:
+        specs, selection = order(resolve_probes(manifest, probe_ids)), "probes " + ", ".join(probe_ids)
+    elif changed is not None:
+        specs = select(manifest, changed)
+        selection = f"{len(specs)} of {len(manifest.probes)} probes cover the {len(changed)} changed file(s)"
+    else:
+        specs, selection = order(list(manifest.probes)), "all probes"
+    cache_dir = pathlib.Path(cache_dir) if cache_dir else tree / ".infra-agent" / "cache"
+    runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env)
+    base_runner = None
+    if baseline_tree is not None:
+        base_manifest = _baseline_manifest(pathlib.Path(baseline_tree), manifest)
+        base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
+                             extra_env=extra_env)
+    if on_start:
+        on_start(specs)
+
+    results: list[ProbeResult] = []
+    base_results: list[ProbeResult] = []
+    stopped = None
+    for stage, group in stages(specs):
+        results += runner.run(group, on_done=(lambda r: on_result("candidate", r)) if on_result else None)
+        if base_runner is not None:
+            base_group = [s for s in group if _has(base_runner.manifest, s.id)]
+            base_results += base_runner.run([base_runner.manifest.probe(s.id) for s in base_group],
+                                            on_done=(lambda r: on_result("baseline", r)) if on_result else None)
+        if not run_all and any(r.status in (Status.failed, Status.error, Status.timeout)
+                               for r in results if r.probe in {s.id for s in group}):
+            stopped = stage if stage != stages(specs)[-1][0] else None
+            break
+
+    return FeedbackReport(
+        target=manifest.name, candidate=label or str(tree), baseline=baseline_label, selection=selection,
+        results=results, baseline_results=base_results,
+        comparisons=compare(manifest, results, base_results),
+        acceptance=evaluate_acceptance(manifest, results),
+        hashes=content_hashes(tree, manifest, specs), stopped_at=stopped,
+        duration_s=time.perf_counter() - t0,
+    )
+
+
+def _has(manifest: Manifest, pid: str) -> bool:
+    return any(p.id == pid for p in manifest.probes)
+
+
+def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:
+    try:
+        return load_manifest(tree)
+    except Exception:  # noqa: BLE001 - an old revision without (or with a broken) manifest: judge it by today's
+        return fallback
+
+
+def judge_revision(repo_tree: str | pathlib.Path, rev: str, **kwargs) -> tuple[pathlib.Path, tempfile.TemporaryDirectory]:
+    """Export ``rev`` of the target's repository to a temporary tree (for use as a baseline)."""
+    from feedback.targets import export_revision
+
+    tmp = tempfile.TemporaryDirectory(prefix="infra-agent-baseline-")
+    return export_revision(repo_tree, rev, tmp.name), tmp

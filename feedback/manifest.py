@@ -1,0 +1,240 @@
+"""The target manifest, ``infra-agent.yaml`` at a target's root, validated by pydantic.
+
+Errors name the file, the line and the field::
+
+    infra-agent.yaml:14: probes[2].budget_s: Input should be greater than 0
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import pathlib
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MANIFEST_NAME = "infra-agent.yaml"
+KINDS = ("static", "correctness", "microbench", "trace", "events", "e2e")
+# The cascade order of change-impact selection: cheap and decisive first.
+STAGE_ORDER = {kind: i for i, kind in enumerate(KINDS)}
+RISK_CATEGORIES = ("numerics", "concurrency", "production")
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be used; the message is one line naming file, line and field."""
+
+
+class Covers(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    files: list[str] = Field(default_factory=list, description="path globs, relative to the target root")
+    symbols: list[str] = Field(default_factory=list, description="functions, classes or kernels the probe is bound to")
+
+    def matches(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, pat) or path == pat for pat in self.files)
+
+
+class Threshold(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max: float | None = None
+    min: float | None = None
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> Threshold:
+        if self.max is None and self.min is None:
+            raise ValueError("a threshold needs max or min")
+        return self
+
+
+class ProbeSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+    kind: Literal["static", "correctness", "microbench", "trace", "events", "e2e"]
+    entry: str | None = Field(None, description="module:function imported from the tree under test")
+    command: str | None = Field(None, description="shell command run in the tree; prints one JSON result")
+    description: str = ""
+    covers: Covers = Field(default_factory=Covers)
+    params: dict[str, Any] = Field(default_factory=dict, description="launch parameters and input conditions")
+    budget_s: float = Field(60.0, gt=0, description="hard timeout: the probe's process group is killed after it")
+    memory_mb: int | None = Field(None, gt=0, description="address-space limit of the probe process")
+    thresholds: dict[str, Threshold] = Field(default_factory=dict)
+    needs_gpu: bool = False
+
+    @model_validator(mode="after")
+    def _entry_or_command(self) -> ProbeSpec:
+        if (self.entry is None) == (self.command is None):
+            raise ValueError("a probe needs exactly one of entry (module:function) or command")
+        if self.entry is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.entry):
+            raise ValueError(f"entry must look like module.path:function, got {self.entry!r}")
+        return self
+
+
+_OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
+_CRITERION = re.compile(r"^\s*(?P<metric>[A-Za-z0-9_.:\-]+)\s*(?P<op><=|>=|==|<|>)\s*(?P<value>[-+0-9.eE]+)\s*$")
+
+
+class Criterion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    expr: str = Field(description="'<probe>.<metric> <op> <number>', e.g. 'kda.cp.error_growth <= 3'")
+    description: str = ""
+
+    @field_validator("expr")
+    @classmethod
+    def _parse(cls, v: str) -> str:
+        m = _CRITERION.match(v)
+        if not m:
+            raise ValueError(f"expected '<probe>.<metric> <op> <number>' with op one of {list(_OPS)}, got {v!r}")
+        float(m["value"])
+        return v
+
+    def parts(self) -> tuple[str, str, float]:
+        m = _CRITERION.match(self.expr)
+        assert m is not None
+        return m["metric"], m["op"], float(m["value"])
+
+    @staticmethod
+    def compare(value: float, op: str, bound: float) -> bool:
+        return _OPS[op](value, bound)
+
+
+class RiskRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    category: Literal["numerics", "concurrency", "production"]
+    paths: list[str] = Field(default_factory=lambda: ["**"], description="path globs the rule applies to")
+    pattern: str | None = Field(None, description="regex over added and removed lines")
+    ast: str | None = Field(None, description="Python AST check: a call or attribute name, e.g. 'tl.dot'")
+    description: str = ""
+
+    @field_validator("pattern")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"invalid regex {v!r}: {exc}") from exc
+        return v
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = 1
+    name: str
+    description: str = ""
+    python_path: list[str] = Field(default_factory=lambda: ["."], description="tree-relative import roots")
+    probes: list[ProbeSpec]
+    acceptance: list[Criterion] = Field(default_factory=list)
+    risk: list[RiskRule] = Field(default_factory=list)
+    protected: list[str] = Field(default_factory=list, description="path globs no patch may touch")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        seen: set[str] = set()
+        for p in self.probes:
+            if p.id in seen:
+                raise ValueError(f"duplicate probe id {p.id!r}")
+            seen.add(p.id)
+        for c in self.acceptance:
+            metric = c.parts()[0]
+            if self.split_metric(metric) is None:
+                raise ValueError(f"acceptance {c.name!r} names {metric!r}, which is no '<probe>.<metric>' "
+                                 f"of a declared probe")
+        return self
+
+    def probe(self, probe_id: str) -> ProbeSpec:
+        for p in self.probes:
+            if p.id == probe_id:
+                return p
+        raise KeyError(probe_id)
+
+    def split_metric(self, name: str) -> tuple[str, str] | None:
+        """'kda.cp.error_growth' -> ('kda.cp', 'error_growth'): the longest probe id that prefixes it."""
+        if ":" in name:
+            pid, metric = name.split(":", 1)
+            return (pid, metric) if any(p.id == pid for p in self.probes) else None
+        best = None
+        for p in self.probes:
+            if name.startswith(p.id + ".") and (best is None or len(p.id) > len(best)):
+                best = p.id
+        return (best, name[len(best) + 1:]) if best else None
+
+    def is_protected(self, path: str) -> str | None:
+        """The protecting glob if ``path`` may not be patched (the manifest itself always is)."""
+        if path == MANIFEST_NAME:
+            return MANIFEST_NAME
+        for pat in self.protected:
+            if fnmatch.fnmatchcase(path, pat) or path == pat or path.startswith(pat.rstrip("/") + "/"):
+                return pat
+        return None
+
+
+def _line_map(text: str) -> dict[tuple, int]:
+    """YAML path -> 1-based line, for naming the line of a validation error."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        lines[path] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                k = key.value
+                lines[path + (k,)] = key.start_mark.line + 1
+                walk(value, path + (k,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _fmt_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def parse_manifest(text: str, source: str = MANIFEST_NAME) -> Manifest:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise ManifestError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise ManifestError(f"{source}:1: the manifest must be a mapping with name and probes")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        lines = _line_map(text)
+        msgs = []
+        for err in exc.errors():
+            loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+            line = next((lines[loc[:n]] for n in range(len(loc), -1, -1) if loc[:n] in lines), 1)
+            msg = err["msg"].removeprefix("Value error, ")
+            msgs.append(f"{source}:{line}: {_fmt_loc(loc)}: {msg}")
+        raise ManifestError("; ".join(msgs)) from None
+
+
+def load_manifest(root: str | pathlib.Path) -> Manifest:
+    """Load and validate ``<root>/infra-agent.yaml``."""
+    path = pathlib.Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{path}: no manifest (a target declares its probes in {MANIFEST_NAME} at its root)")
+    return parse_manifest(path.read_text(), str(path))
+
+
+def schema() -> dict:
+    return Manifest.model_json_schema()

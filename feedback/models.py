@@ -1,0 +1,196 @@
+"""The harness's data contracts: probe results and feedback reports (pydantic, versioned)."""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import platform
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+
+class Status(str, enum.Enum):
+    passed = "pass"
+    failed = "fail"
+    error = "error"
+    timeout = "timeout"
+    skipped = "skipped"
+
+
+class Metric(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    value: float
+    unit: str = ""
+    # Optional uncertainty: a confidence interval (low, high) at 95% when the probe measured one.
+    ci: tuple[float, float] | None = None
+    # Which way is better, so a comparison can say improved / regressed ("lower", "higher", None).
+    better: str | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _finite_or_inf(cls, v: float) -> float:
+        if math.isnan(v):
+            raise ValueError("metric value is NaN")
+        return v
+
+
+class Location(BaseModel):
+    """Where a finding is bound: a file, a symbol or kernel, a launch parameter, an input condition."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str | None = None
+    symbol: str | None = None
+    kernel: str | None = None
+    param: str | None = None
+    condition: str | None = None
+
+    def render(self) -> str:
+        parts = []
+        if self.file:
+            parts.append(f"cover {self.file}" + (f" {self.kernel or self.symbol}" if (self.kernel or self.symbol) else ""))
+        elif self.kernel or self.symbol:
+            parts.append(f"in {self.kernel or self.symbol}")
+        if self.param:
+            parts.append(f"param {self.param}")
+        if self.condition:
+            parts.append(f"input {self.condition}")
+        return "; ".join(parts)
+
+
+class Finding(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    location: Location = Field(default_factory=Location)
+
+
+class Fingerprint(BaseModel):
+    """The environment a probe ran in: results from different environments are not comparable."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    python: str = ""
+    platform: str = ""
+    torch: str | None = None
+    triton: str | None = None
+    device: str = "cpu"
+    mode: str = "native"  # "native" or "interpreter"
+    emulation: str | None = None  # dot-precision emulation in force, if any
+
+    def key(self) -> str:
+        return "|".join(str(x) for x in (self.python, self.torch, self.triton, self.device, self.mode, self.emulation))
+
+
+def fingerprint() -> Fingerprint:
+    """The fingerprint of this process (call it where the probe ran).
+
+    Versions come from package metadata; the device is read only if the probe imported torch,
+    so a static probe stays cheap.
+    """
+    import importlib.metadata as md
+    import sys
+
+    fp = Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}")
+    for name in ("torch", "triton"):
+        try:
+            setattr(fp, name, md.version(name))
+        except md.PackageNotFoundError:
+            pass
+    fp.mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "native"
+    torch = sys.modules.get("torch")
+    if torch is not None and fp.mode == "native":
+        try:
+            if torch.cuda.is_available():
+                fp.device = torch.cuda.get_device_name(0)
+        except Exception:  # noqa: BLE001
+            pass
+    emulation = sys.modules.get("feedback.emulation")
+    if emulation is not None:
+        fp.emulation = emulation.active()
+    return fp
+
+
+class ProbeResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    probe: str
+    status: Status
+    metrics: dict[str, Metric] = Field(default_factory=dict)
+    findings: list[Finding] = Field(default_factory=list)
+    duration_s: float = 0.0
+    environment: Fingerprint = Field(default_factory=Fingerprint)
+    reason: str | None = None  # why skipped / error / timeout, in one line
+    stdout: str = ""
+    stderr: str = ""
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (Status.passed, Status.skipped)
+
+
+class MetricDelta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    baseline: float | None
+    candidate: float | None
+    unit: str = ""
+    change: float | None = None  # candidate / baseline
+    verdict: str = "n/a"  # improved / regressed / unchanged / new / gone / n/a
+
+
+class ProbeComparison(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    probe: str
+    kind: str
+    baseline: Status | None
+    candidate: Status
+    deltas: list[MetricDelta] = Field(default_factory=list)
+    localisation: list[str] = Field(default_factory=list)
+
+
+class CriterionResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    expression: str
+    value: float | None
+    holds: bool | None  # None: the metric was not measured in this run
+    reason: str = ""
+
+
+class FeedbackReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    target: str
+    candidate: str  # a label for the tree judged (path, worktree or commit)
+    baseline: str | None = None
+    selection: str = "all"  # how the probes were chosen
+    results: list[ProbeResult]
+    baseline_results: list[ProbeResult] = Field(default_factory=list)
+    comparisons: list[ProbeComparison] = Field(default_factory=list)
+    acceptance: list[CriterionResult] = Field(default_factory=list)
+    hashes: dict[str, str] = Field(default_factory=dict)  # probe and reference files -> sha256
+    stopped_at: str | None = None  # the cascade stage that failed, when the cascade stopped early
+    duration_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(r.ok for r in self.results) and all(c.holds is not False for c in self.acceptance)
+
+    def localisations(self) -> list[str]:
+        return [line for c in self.comparisons for line in c.localisation]
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json")

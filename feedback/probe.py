@@ -1,0 +1,72 @@
+"""What a probe function sees: its parameters, and a context to report metrics and findings.
+
+A probe is a plain function in the target's tree, named by the manifest's ``entry``::
+
+    from feedback.probe import probe
+
+    @probe
+    def cp_error_growth(ctx):
+        errs = ...
+        ctx.metric("error_growth", errs[-1] / errs[0], unit="x", better="lower")
+        if growth > 5:
+            ctx.fail("error grows 41x from P=2 to P=64", file="target_stack/ops/kda/cp.py",
+                     kernel="_kda_cp_merge_kernel", param="merge_precision='tf32'")
+
+It returns nothing (or a dict of plain metrics); raising :class:`Skip` (``ctx.skip(reason)``)
+reports ``skipped`` with the reason, any other exception ``error`` with the failing line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from feedback.models import Finding, Location, Metric
+
+
+class Skip(Exception):
+    """Raised by a probe that cannot run here (no GPU, say); the report says why."""
+
+
+class ProbeContext:
+    def __init__(self, probe_id: str, params: dict[str, Any], tree: str):
+        self.probe_id = probe_id
+        self.params = dict(params)
+        self.tree = tree
+        self.metrics: dict[str, Metric] = {}
+        self.findings: list[Finding] = []
+        self.failed = False
+
+    def metric(self, name: str, value: float, unit: str = "", *, better: str | None = None,
+               ci: tuple[float, float] | None = None) -> float:
+        value = float(value)
+        if math.isnan(value):
+            value = math.inf  # a NaN error is as bad as it gets, and must not compare as "fine"
+        self.metrics[name] = Metric(value=value, unit=unit, better=better, ci=ci)
+        return value
+
+    def finding(self, message: str, **location: str | None) -> None:
+        self.findings.append(Finding(message=message, location=Location(**location)))
+
+    def fail(self, message: str, **location: str | None) -> None:
+        self.failed = True
+        self.finding(message, **location)
+
+    def check(self, ok: bool, message: str, **location: str | None) -> bool:
+        if not ok:
+            self.fail(message, **location)
+        return ok
+
+    def skip(self, reason: str) -> None:
+        raise Skip(reason)
+
+
+def probe(fn: Callable | None = None, *, kind: str | None = None):
+    """Mark a function as a probe entry point (``@probe`` or ``@probe(kind="correctness")``)."""
+
+    def mark(f: Callable) -> Callable:
+        f.__infra_agent_probe__ = {"kind": kind}
+        return f
+
+    return mark(fn) if fn is not None else mark

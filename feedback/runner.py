@@ -1,0 +1,280 @@
+"""Run probes: each in its own subprocess, under a hard timeout, cached by content hash.
+
+* Python probes run ``python -m feedback.worker`` with the tree's import roots first on
+  PYTHONPATH; command probes run their shell command in the tree and print one JSON object.
+* Without a GPU the probe process gets ``TRITON_INTERPRET=1`` and the dot-precision emulation
+  (``INFRA_AGENT_EMULATE_DOT=1``), so tf32 bugs show on a CPU.
+* Each probe is its own process group: past ``budget_s`` the whole group is killed.
+* The cache key is the content of every covered file and of the probe's own module, the probe
+  spec (params, thresholds), and the environment; a hit is reported with ``cached: true``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import glob
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import pathlib
+import platform
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+from feedback.manifest import Manifest, ProbeSpec
+from feedback.models import Fingerprint, Metric, ProbeResult, Status
+
+TAIL = 4000  # characters of stdout/stderr kept in a result
+HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def gpu_present() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return pathlib.Path("/dev/nvidia0").exists() or pathlib.Path("/dev/nvidiactl").exists()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def environment_key(emulate: bool) -> str:
+    """A cheap fingerprint of where probes will run, computed without importing torch."""
+    fp = Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}",
+                     torch=_version("torch"), triton=_version("triton"),
+                     device="gpu" if gpu_present() else "cpu",
+                     mode="native" if gpu_present() else "interpreter",
+                     emulation="truncate" if emulate and not gpu_present() else None)
+    return fp.key()
+
+
+def _tail(text: str | bytes | None) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return text[-TAIL:]
+
+
+class Runner:
+    def __init__(self, tree: str | pathlib.Path, manifest: Manifest, *, jobs: int = 2, cache_dir: str | None = None,
+                 use_cache: bool = True, emulate: bool = True, extra_env: dict[str, str] | None = None):
+        self.tree = pathlib.Path(tree).resolve()
+        self.manifest = manifest
+        self.jobs = max(1, jobs)
+        self.use_cache = use_cache
+        self.emulate = emulate
+        self.extra_env = dict(extra_env or {})
+        self.cache_dir = pathlib.Path(cache_dir) if cache_dir else self.tree / ".infra-agent" / "cache"
+        self.env_key = environment_key(emulate)
+
+    # --- cache ------------------------------------------------------------------------------
+
+    def covered_files(self, spec: ProbeSpec) -> list[pathlib.Path]:
+        files: set[pathlib.Path] = set()
+        for pattern in spec.covers.files:
+            for hit in glob.glob(str(self.tree / pattern), recursive=True):
+                p = pathlib.Path(hit)
+                if p.is_file():
+                    files.add(p)
+        if spec.entry:
+            module = spec.entry.split(":")[0].replace(".", "/")
+            for root in self.manifest.python_path:
+                for cand in (self.tree / root / f"{module}.py", self.tree / root / module / "__init__.py"):
+                    if cand.is_file():
+                        files.add(cand)
+        return sorted(files)
+
+    def cache_key(self, spec: ProbeSpec) -> str:
+        h = hashlib.sha256()
+        h.update(spec.model_dump_json().encode())
+        h.update(self.env_key.encode())
+        h.update(str(self.extra_env).encode())
+        for f in self.covered_files(spec):
+            h.update(str(f.relative_to(self.tree)).encode())
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+        return h.hexdigest()
+
+    def _cache_get(self, key: str) -> ProbeResult | None:
+        path = self.cache_dir / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            return ProbeResult.model_validate_json(path.read_text()).model_copy(update={"cached": True})
+        except Exception:  # noqa: BLE001 - a damaged cache entry is a miss
+            return None
+
+    def _cache_put(self, key: str, result: ProbeResult) -> None:
+        if result.status in (Status.timeout, Status.error):
+            return  # transient failures are re-run, never served from the cache
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_dir / f"{key}.{os.getpid()}.tmp"
+        tmp.write_text(result.model_dump_json())
+        os.replace(tmp, self.cache_dir / f"{key}.json")
+
+    # --- running ----------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        roots = [str(self.tree / r) for r in self.manifest.python_path]
+        # the tree's import roots first; the harness after, for feedback.* itself
+        env["PYTHONPATH"] = os.pathsep.join(roots + [str(HARNESS_ROOT)] +
+                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        if not gpu_present():
+            env["TRITON_INTERPRET"] = "1"
+            if self.emulate:
+                env.setdefault("INFRA_AGENT_EMULATE_DOT", "1")
+        env.update(self.extra_env)
+        return env
+
+    def run(self, specs: list[ProbeSpec], on_done: Callable[[ProbeResult], None] | None = None) -> list[ProbeResult]:
+        """Run probes (up to ``jobs`` at once); results in the order of ``specs``."""
+        results: dict[str, ProbeResult] = {}
+        with cf.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            futures = {pool.submit(self.run_one, s): s for s in specs}
+            for fut in cf.as_completed(futures):
+                spec = futures[fut]
+                try:
+                    res = fut.result()
+                except Exception as exc:  # noqa: BLE001 - the harness never crashes on a probe
+                    res = ProbeResult(probe=spec.id, status=Status.error, reason=f"harness: {exc}")
+                results[spec.id] = res
+                if on_done:
+                    on_done(res)
+        return [results[s.id] for s in specs]
+
+    def run_one(self, spec: ProbeSpec) -> ProbeResult:
+        key = self.cache_key(spec) if self.use_cache else None
+        if key and (hit := self._cache_get(key)):
+            return hit
+        if spec.needs_gpu and not gpu_present():
+            result = ProbeResult(probe=spec.id, status=Status.skipped, reason="needs a GPU; none on this machine")
+        elif spec.entry:
+            result = self._run_python(spec)
+        else:
+            result = self._run_command(spec)
+        result = apply_thresholds(spec, result)
+        if key:
+            self._cache_put(key, result)
+        return result
+
+    def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool) -> tuple[int | None, str, str, float, bool]:
+        """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)"""
+        limit = spec.memory_mb
+
+        def preexec() -> None:
+            if limit:
+                resource.setrlimit(resource.RLIMIT_AS, (limit * 2**20, limit * 2**20))
+
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(), shell=shell, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=preexec if limit else None)
+        try:
+            out, err = proc.communicate(timeout=spec.budget_s)
+            return proc.returncode, _tail(out), _tail(err), time.perf_counter() - t0, False
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - pipes held by an escaped grandchild
+                out, err = b"", b""
+            return None, _tail(out), _tail(err), time.perf_counter() - t0, True
+
+    @staticmethod
+    def _exit_reason(rc: int) -> str:
+        if rc < 0:
+            name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+            hint = " (out of memory?)" if -rc in (signal.SIGKILL, signal.SIGSEGV) else ""
+            return f"probe process killed by {name}{hint}"
+        return f"probe process exited with status {rc}"
+
+    def _run_python(self, spec: ProbeSpec) -> ProbeResult:
+        with tempfile.TemporaryDirectory(prefix="infra-agent-probe-") as tmp:
+            req, out = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
+            req.write_text(json.dumps({"probe": spec.id, "entry": spec.entry, "params": spec.params,
+                                       "tree": str(self.tree)}))
+            rc, stdout, stderr, secs, timed_out = self._spawn(
+                spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False)
+            if timed_out:
+                return ProbeResult(probe=spec.id, status=Status.timeout, duration_s=secs, stdout=stdout, stderr=stderr,
+                                   reason=f"no result within budget_s={spec.budget_s:g}; process group killed")
+            if out.is_file():
+                try:
+                    res = ProbeResult.model_validate_json(out.read_text())
+                    return res.model_copy(update={"stdout": stdout, "stderr": stderr, "duration_s": secs})
+                except Exception as exc:  # noqa: BLE001
+                    reason = f"unreadable result: {exc}".splitlines()[0]
+            else:
+                reason = self._exit_reason(rc) if rc else "probe process wrote no result"
+                last = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+                if last:
+                    reason += f": {last[-1][:300]}"
+            return ProbeResult(probe=spec.id, status=Status.error, duration_s=secs, stdout=stdout, stderr=stderr,
+                               reason=reason)
+
+    def _run_command(self, spec: ProbeSpec) -> ProbeResult:
+        rc, stdout, stderr, secs, timed_out = self._spawn(spec, spec.command, shell=True)
+        base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
+        if timed_out:
+            return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
+                               "process group killed", **base)
+        if rc != 0:
+            return ProbeResult(status=Status.error, reason=self._exit_reason(rc), **base)
+        lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+        try:
+            data = json.loads(lines[-1]) if lines else None
+            if not isinstance(data, dict):
+                raise ValueError("the last line of stdout is not a JSON object")
+            metrics = {k: (Metric(value=v) if isinstance(v, (int, float)) else Metric.model_validate(v))
+                       for k, v in data.get("metrics", {}).items()}
+            status = Status(data.get("status", "pass"))
+            return ProbeResult(status=status, metrics=metrics, findings=data.get("findings", []),
+                               reason=data.get("reason"), **base)
+        except Exception as exc:  # noqa: BLE001 - garbage output is an error result, not a crash
+            return ProbeResult(status=Status.error, reason=f"command printed no JSON result: {exc}".splitlines()[0],
+                               **base)
+
+
+def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
+    """Manifest thresholds over the probe's metrics: a violated bound fails the probe, localised."""
+    if result.status not in (Status.passed, Status.failed) or not spec.thresholds:
+        return result
+    from feedback.models import Finding, Location
+
+    findings, failed = list(result.findings), result.status == Status.failed
+    for name, th in spec.thresholds.items():
+        metric = result.metrics.get(name)
+        if metric is None:
+            findings.append(Finding(message=f"threshold on {name} but the probe reported no such metric"))
+            failed = True
+            continue
+        bad = (th.max is not None and not metric.value <= th.max) or (th.min is not None and not metric.value >= th.min)
+        if bad:
+            bound = f"<= {th.max:g}" if th.max is not None else f">= {th.min:g}"
+            params = ", ".join(f"{k}={v!r}" for k, v in spec.params.items() if not isinstance(v, (list, dict)))
+            findings.append(Finding(
+                message=f"{name} = {metric.value:.3g}{metric.unit} violates {bound}",
+                location=Location(file=", ".join(spec.covers.files[:2]) or None,
+                                  symbol=", ".join(spec.covers.symbols[:2]) or None, param=params or None)))
+            failed = True
+    return result.model_copy(update={"findings": findings, "status": Status.failed if failed else result.status})
+
+
+def which_python() -> str:  # pragma: no cover - diagnostic helper
+    return shutil.which("python3") or sys.executable

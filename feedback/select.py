@@ -1,0 +1,80 @@
+"""Change-impact selection: from a diff or a git revision to the probes bound to what changed."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from feedback.manifest import STAGE_ORDER, Manifest, ProbeSpec
+
+_DIFF_PATH = re.compile(r"^(?:---|\+\+\+) (?:[ab]/)?(?P<path>\S+)")
+
+
+class DiffError(ValueError):
+    pass
+
+
+def files_in_diff(text: str) -> list[str]:
+    """Paths a unified diff touches (both sides of renames); a text with no file header is an error."""
+    paths: list[str] = []
+    saw_hunk = False
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            saw_hunk = True
+        m = _DIFF_PATH.match(line)
+        if m and m["path"] != "/dev/null":
+            p = m["path"]
+            if p not in paths:
+                paths.append(p)
+        elif line.startswith("diff --git "):
+            parts = line.split()
+            for p in parts[2:4]:
+                p = re.sub(r"^[ab]/", "", p)
+                if p not in paths:
+                    paths.append(p)
+    if not paths or not saw_hunk:
+        raise DiffError("not a unified diff: no '--- a/...' / '+++ b/...' headers with hunks")
+    return paths
+
+
+def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
+    """Files that differ between ``rev`` and the working tree (untracked files included)."""
+    import git
+
+    try:
+        repo = git.Repo(tree, search_parent_directories=True)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+        raise ValueError(f"--changed-from needs a git repository, and {tree} is not in one") from exc
+    try:
+        repo.commit(rev)
+    except (git.BadName, ValueError) as exc:
+        raise ValueError(f"unknown revision {rev!r}") from exc
+    root = pathlib.Path(repo.working_tree_dir).resolve()
+    sub = pathlib.Path(tree).resolve().relative_to(root)
+    names = repo.git.diff("--name-only", rev, "--", str(sub) if str(sub) != "." else ".").splitlines()
+    names += repo.git.ls_files("--others", "--exclude-standard", "--", str(sub) if str(sub) != "." else ".").splitlines()
+    out = []
+    for n in names:
+        p = pathlib.Path(n)
+        rel = p.relative_to(sub) if str(sub) != "." and p.is_relative_to(sub) else p
+        if str(rel) not in out:
+            out.append(str(rel))
+    return out
+
+
+def order(specs: list[ProbeSpec]) -> list[ProbeSpec]:
+    """Cheapest first: by cascade stage, then by time budget."""
+    return sorted(specs, key=lambda s: (STAGE_ORDER[s.kind], s.budget_s, s.id))
+
+
+def select(manifest: Manifest, changed: list[str]) -> list[ProbeSpec]:
+    """The probes whose ``covers`` match any changed file, cheapest first."""
+    return order([p for p in manifest.probes if any(p.covers.matches(f) for f in changed)])
+
+
+def stages(specs: list[ProbeSpec]) -> list[tuple[str, list[ProbeSpec]]]:
+    """Group probes into the cascade's stages: static, correctness, microbench, trace, events, e2e."""
+    groups: dict[str, list[ProbeSpec]] = {}
+    for s in order(specs):
+        groups.setdefault(s.kind, []).append(s)
+    return sorted(groups.items(), key=lambda kv: STAGE_ORDER[kv[0]])

@@ -1,0 +1,80 @@
+"""Target trees: the bundled target_stack materialised as a scratch tree, and git revisions."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+import shutil
+import tarfile
+import tempfile
+
+from feedback.manifest import MANIFEST_NAME
+
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", ".infra-agent")
+
+
+def bundled_package_dir() -> pathlib.Path:
+    """Where the installed (or checked-out) ``target_stack`` package lives."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("target_stack")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled target_stack package is not importable")
+    return pathlib.Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+def _digest(pkg: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(pkg.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".so"):
+            h.update(str(p.relative_to(pkg)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def materialize_bundled(dest: str | pathlib.Path) -> pathlib.Path:
+    """Copy the bundled target into ``dest``: ``dest/target_stack/...`` and ``dest/infra-agent.yaml``."""
+    pkg = bundled_package_dir()
+    dest = pathlib.Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(pkg, dest / "target_stack", ignore=_IGNORE, dirs_exist_ok=True)
+    shutil.copyfile(pkg / MANIFEST_NAME, dest / MANIFEST_NAME)
+    return dest
+
+
+def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
+    """A scratch copy of the bundled target for judging, reused while its sources are unchanged."""
+    pkg = bundled_package_dir()
+    base = pathlib.Path(base) if base else pathlib.Path.cwd() / ".infra-agent" / "bundled"
+    dest = base / _digest(pkg)
+    if not (dest / MANIFEST_NAME).is_file():
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".partial-", dir=base.mkdir(parents=True, exist_ok=True) or base))
+        materialize_bundled(tmp)
+        try:
+            os.replace(tmp, dest)  # atomic: a killed copy never looks complete
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:
+    """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout)."""
+    import git
+
+    repo = git.Repo(repo_dir, search_parent_directories=True)
+    try:
+        commit = repo.commit(rev)
+    except (git.BadName, ValueError) as exc:
+        raise ValueError(f"unknown revision {rev!r} in {repo.working_tree_dir}") from exc
+    data = io.BytesIO()
+    repo.archive(data, treeish=commit.hexsha, format="tar")
+    data.seek(0)
+    dest = pathlib.Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=data) as tar:
+        tar.extractall(dest, filter="data")
+    # a target that is a subfolder of its repository: keep the same relative root
+    sub = pathlib.Path(repo_dir).resolve().relative_to(pathlib.Path(repo.working_tree_dir).resolve())
+    return dest / sub

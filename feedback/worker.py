@@ -1,0 +1,73 @@
+"""The process a Python probe runs in: ``python -m feedback.worker REQUEST.json RESULT.json``.
+
+The runner starts it with the tree under test first on PYTHONPATH, so ``entry`` is imported from
+that tree, never from an installed copy; the worker checks this and refuses otherwise.  The
+result is written atomically; whatever the probe prints goes to the runner's captured output.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+
+def _innermost_tree_frame(tb, tree: pathlib.Path) -> str | None:
+    where = None
+    for frame, lineno in traceback.walk_tb(tb):
+        path = pathlib.Path(frame.f_code.co_filename)
+        try:
+            rel = path.resolve().relative_to(tree)
+        except ValueError:
+            continue
+        where = f"{rel}:{lineno} in {frame.f_code.co_name}"
+    return where
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(pathlib.Path(argv[0]).read_text())
+    out = pathlib.Path(argv[1])
+    tree = pathlib.Path(request["tree"]).resolve()
+
+    # The runner has already chosen TRITON_INTERPRET; the emulation patches the interpreter, if asked.
+    from feedback import emulation
+    from feedback.models import ProbeResult, Status, fingerprint
+    from feedback.probe import ProbeContext, Skip
+
+    emulation.install_from_env()
+    ctx = ProbeContext(request["probe"], request.get("params", {}), str(tree))
+    t0 = time.perf_counter()
+    status, reason = Status.passed, None
+    try:
+        module_name, func_name = request["entry"].split(":")
+        module = importlib.import_module(module_name)
+        origin = pathlib.Path(getattr(module, "__file__", "") or "").resolve()
+        if tree not in origin.parents:
+            raise RuntimeError(f"{module_name} was imported from {origin}, outside the tree under test {tree}")
+        fn = getattr(module, func_name)
+        returned = fn(ctx)
+        if isinstance(returned, dict):
+            for name, value in returned.items():
+                ctx.metric(name, value)
+        status = Status.failed if ctx.failed else Status.passed
+    except Skip as exc:
+        status, reason = Status.skipped, str(exc) or "skipped"
+    except Exception as exc:  # noqa: BLE001 - every probe error becomes a result, never a crash
+        status = Status.error
+        where = _innermost_tree_frame(exc.__traceback__, tree)
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:400] + (f" (at {where})" if where else "")
+        traceback.print_exc()
+    result = ProbeResult(probe=request["probe"], status=status, metrics=ctx.metrics, findings=ctx.findings,
+                         duration_s=time.perf_counter() - t0, environment=fingerprint(), reason=reason)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(result.model_dump_json())
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
