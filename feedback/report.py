@@ -141,7 +141,7 @@ def render(report: FeedbackReport, console: Console) -> None:
         table.add_row(*row)
     console.print(table)
     for line in report.localisations():
-        console.print(f"[red]x[/] {line}", highlight=False)
+        console.print(f"[red]x[/] {line}", highlight=False, soft_wrap=True)
     for a in report.acceptance:
         mark = {True: "[green]ok[/]", False: "[red]FAILED[/]", None: "[yellow]not measured[/]"}[a.holds]
         extra = f" (value {_fmt(a.value)})" if a.value is not None else f" ({a.reason})"

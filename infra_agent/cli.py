@@ -23,7 +23,7 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> None:
     """Every CLI error is one clear line and a non-zero exit code."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -178,3 +178,5 @@ def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
 
 def main() -> None:  # pragma: no cover - console script entry point
     app()
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -148,3 +148,20 @@ def prefill_bench(ctx: ProbeContext) -> None:
     seconds = time_fn(lambda: chunk_kda(*x, output_final_state=True))
     ctx.metric("prefill_us", seconds * 1e6, unit="us", better="lower")
     ctx.metric("tokens_per_s", c["T"] / seconds, unit="tok/s", better="higher")
+
+
+@probe(kind="trace")
+def chunk_trace(ctx: ProbeContext) -> None:
+    """torch.profiler over one chunked prefill; the top ops by own time (kernels on a GPU)."""
+    from feedback.trace import capture, trace_dir
+
+    c = ctx.params
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = make_inputs(1, c["T"], c["H"], c["K"], c["V"], device=dev)
+    summary = capture(lambda: chunk_kda(*x, output_final_state=True), "kda.chunk", out_dir=trace_dir())
+    ctx.metric("total_cpu_us", summary.total_cpu_us, unit="us", better="lower")
+    if summary.total_cuda_us:
+        ctx.metric("total_cuda_us", summary.total_cuda_us, unit="us", better="lower")
+    for i, op in enumerate(summary.top[:3]):
+        ctx.finding(f"top {i + 1}: {op.name} ({op.device}) {op.self_us:.0f} us, {op.share:.0%} of {op.device} time",
+                    file=CHUNK, symbol=op.name)

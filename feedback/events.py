@@ -1,0 +1,121 @@
+"""Runtime events: a tiny API the target calls, written as JSONL; and a thread-starvation monitor.
+
+Target side::
+
+    from feedback.events import emit
+    emit("kv_transfer.start", request=rid, bytes=n)
+
+Events go to the file named by ``INFRA_AGENT_EVENTS`` (set by the probe that wants them), one JSON
+object a line with a monotonic timestamp, the process and the thread.  Without the variable,
+``emit`` is a no-op costing one dictionary lookup.
+
+:class:`Heartbeat` runs a Python thread that wakes every ``interval_s`` and records how late it
+woke: a thread kept from running by another holding the GIL shows as long gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+ENV_VAR = "INFRA_AGENT_EVENTS"
+_lock = threading.Lock()
+_files: dict[str, Any] = {}
+
+
+def emit(name: str, **fields: Any) -> None:
+    """Record one event (no-op unless ``INFRA_AGENT_EVENTS`` names a file)."""
+    path = os.environ.get(ENV_VAR)
+    if not path:
+        return
+    record = {"t": time.monotonic(), "event": name, "pid": os.getpid(),
+              "thread": threading.current_thread().name, **fields}
+    line = json.dumps(record, default=str) + "\n"
+    with _lock:
+        f = _files.get(path)
+        if f is None:
+            f = _files[path] = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
+        f.write(line)
+
+
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """Events from a JSONL file; a torn last line (a killed writer) is skipped, not an error."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def spans(events: list[dict], start_suffix: str = ".start", end_suffix: str = ".done",
+          key: str = "id") -> list[tuple[str, float]]:
+    """Pair ``X.start``/``X.done`` events (by ``key``) into (name, seconds) spans."""
+    open_: dict[tuple, float] = {}
+    out = []
+    for e in sorted(events, key=lambda e: e["t"]):
+        name = e["event"]
+        if name.endswith(start_suffix):
+            open_[(name[: -len(start_suffix)], e.get(key))] = e["t"]
+        elif name.endswith(end_suffix):
+            base = name[: -len(end_suffix)]
+            t0 = open_.pop((base, e.get(key)), None)
+            if t0 is not None:
+                out.append((base, e["t"] - t0))
+    return out
+
+
+class HeartbeatReport(BaseModel):
+    beats: int
+    interval_s: float
+    wall_s: float
+    max_gap_s: float
+    p99_gap_s: float
+    mean_gap_s: float
+    starved_s: float  # total time beyond the interval: how long the thread was kept from running
+
+
+class Heartbeat:
+    """A Python thread that measures how long it is kept from running (GIL starvation shows here)."""
+
+    def __init__(self, interval_s: float = 0.001, name: str = "heartbeat"):
+        self.interval_s = interval_s
+        self.name = name
+        self._stop = threading.Event()
+        self._gaps: list[float] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._t0 = 0.0
+        self._t1 = 0.0
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            time.sleep(self.interval_s)
+            now = time.perf_counter()
+            self._gaps.append(now - last)
+            last = now
+
+    def __enter__(self) -> Heartbeat:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._t1 = time.perf_counter()
+
+    def report(self) -> HeartbeatReport:
+        gaps = sorted(self._gaps) or [0.0]
+        return HeartbeatReport(
+            beats=len(self._gaps), interval_s=self.interval_s, wall_s=self._t1 - self._t0,
+            max_gap_s=gaps[-1], p99_gap_s=gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            mean_gap_s=statistics.fmean(gaps), starved_s=sum(max(0.0, g - self.interval_s) for g in self._gaps))
