@@ -46,7 +46,7 @@ def prefill(T=4096, H=16, K=128, V=128):
                 try:
                     t = do_bench(lambda: C._kda_intra_kernel[(NT, H)](
                         q, k, v, g, beta, gc, Akk, w, u, Pqk, cu, seq, pos, scale, H=H, K=K, V=V, BT=BT, BC=16,
-                        BK=BK, BV=32, BKC=BKC, LOG2_BT=6, LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
+                        BK=BK, BV=32, BKC=BKC, LOG2_BT=6, LOWP=lowp, DOT_PRECISION="tf32x3", INV_PRECISION="tf32" if lowp else "tf32x3", num_warps=nw))
                     print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {t * 1e3:8.1f} us")
                 except Exception as e:  # noqa: BLE001
                     print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {type(e).__name__} {str(e)[:80]}")
@@ -106,11 +106,8 @@ def decode_overhead(N=1, H=32, K=128, V=128):
     print(f"  torch x.add_(1)  {per_call(lambda: x.add_(1)):6.1f} us   (the host's floor for one launch)")
     print(f"  current_stream   {per_call(lambda: torch.cuda.current_stream().cuda_stream):6.1f} us")
     args = (q, k, v, g, beta, o, pool, pool, slots, K**-0.5, 1)
-    consts = dict(H=H, K=K, V=V, BK=128, BV=32, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True,
-                  L2NORM_QK=True, BETA_SIGMOID=False, num_warps=4)
-    compiled, order = next(iter(FR._launch.compiled.values()))
-    bound = dict(zip(order, args)) | consts
-    flat = [bound[name] for name in kern.arg_names]
+    compiled, tail, _ = next(iter(FR._launch.compiled.values()))
+    flat = list(args) + list(tail)
     stream = torch.cuda.current_stream().cuda_stream
     print(f"  compiled.run     {per_call(lambda: compiled.run(4, N, H, stream, compiled.function, compiled.packed_metadata, None, None, None, *flat)):6.1f} us")
 

@@ -111,11 +111,12 @@ class CachedLaunch:
     """Launch a Triton kernel through its compiled launcher once it has been compiled for a key.
 
     Triton's generic ``kernel[grid](...)`` path binds and specialises every argument on every
-    call: on an H200 with Triton 3.6 that costs ~34 us for the decode kernel, seven times the
+    call: on an H200 with Triton 3.6 that costs 26 to 36 us for the decode kernel, six times the
     kernel itself at batch 1 (bench/RESULTS.md).  For a key that pins everything Triton
-    specialises on (shapes, dtypes, flags, and 16-byte alignment of every pointer, checked per
-    call), the compiled kernel is reused and launched directly.  Anything unexpected (the
-    interpreter, another Triton internals layout) falls back to the generic path for good.
+    specialises on (shapes, dtypes, flags; the 16-byte alignment of every pointer is checked per
+    call), the compiled kernel is reused and launched directly with the constexpr tail prepared
+    once.  Anything unexpected (the interpreter, other Triton internals) falls back to the
+    generic path for good.  The runtime arguments must come first in the kernel's signature.
     """
 
     def __init__(self, fn):
@@ -123,21 +124,32 @@ class CachedLaunch:
         self.compiled: dict = {}
         self.enabled = not interpreting()
 
+    @staticmethod
+    def _stream(device: torch.device) -> int:
+        try:
+            return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else 0)
+        except Exception:  # noqa: BLE001 - older/other torch: the public (slower) way
+            return torch.cuda.current_stream(device).cuda_stream
+
     def __call__(self, grid, key, args: tuple, constexprs: dict):
-        if self.enabled and all(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)):
-            entry = self.compiled.get(key)
-            if entry is not None:
-                compiled, order = entry
-                try:
-                    bound = dict(zip(order, args)) | constexprs
-                    stream = torch.cuda.current_stream().cuda_stream
-                    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                                 None, None, None, *(bound[name] for name in self.fn.arg_names))
-                    return
-                except Exception:  # noqa: BLE001 - internals differ: use the generic path from now on
-                    self.enabled = False
-            compiled = self.fn[grid](*args, **constexprs)
-            if self.enabled and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
-                self.compiled[key] = (compiled, self.fn.arg_names[: len(args)])
-            return
+        if self.enabled:
+            for a in args:
+                if a is not None and not isinstance(a, (int, float)) and a.data_ptr() % 16:
+                    break  # an unaligned pointer: Triton must specialise it
+            else:
+                entry = self.compiled.get(key)
+                if entry is not None:
+                    compiled, tail, device = entry
+                    try:
+                        compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
+                                     compiled.packed_metadata, None, None, None, *args, *tail)
+                        return
+                    except Exception:  # noqa: BLE001 - internals differ: use the generic path from now on
+                        self.enabled = False
+                compiled = self.fn[grid](*args, **constexprs)
+                if self.enabled and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
+                    names = self.fn.arg_names[len(args):]
+                    tensor = next(a for a in args if isinstance(a, torch.Tensor))
+                    self.compiled[key] = (compiled, tuple(constexprs[n] for n in names), tensor.device)
+                return
         self.fn[grid](*args, **constexprs)

@@ -43,7 +43,7 @@ def _kda_intra_kernel(
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
-    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -129,21 +129,21 @@ def _kda_intra_kernel(
         in_pair = (rows[:, None] // (2 * s)) == (cols[None, :] // (2 * s))
         off_diag = (rows[:, None] // s) != (cols[None, :] // s)
         b_C = tl.where(in_pair & off_diag, b_L, 0.0)
-        b_XC = tl.dot(b_X, b_C, input_precision=DOT_PRECISION)
-        b_X = b_X - tl.dot(b_XC, b_X, input_precision=DOT_PRECISION)
+        b_XC = tl.dot(b_X, b_C, input_precision=INV_PRECISION)
+        b_X = b_X - tl.dot(b_XC, b_X, input_precision=INV_PRECISION)
         s = s * 2
     b_T = b_X * b_b[None, :]  # the UT transform T = (I + L)^-1 Diag(b)
 
     b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
     b_kg = tl.where(m_tk, b_k * tl.exp(b_gc), 0.0)
-    tl.store(w + off_tk, tl.dot(b_T, b_kg, input_precision=DOT_PRECISION), mask=m_tk)
+    tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION), mask=m_tk)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(u + off_tv, tl.dot(b_T, b_v, input_precision=DOT_PRECISION), mask=m_tv)
+        tl.store(u + off_tv, _dot(b_T, b_v, LOWP, DOT_PRECISION), mask=m_tv)
 
 
 @triton.jit
@@ -323,9 +323,10 @@ def chunk_kda_fwd(
     NT = chunk_seq.numel()
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    # 16-bit inputs: the inter-chunk products take 16-bit operands (fp32 accumulate), as in
-    # flash-linear-attention; fp32 inputs keep fp32 operands at ``precision``.  The interpreter's
-    # 16-bit dot is not trustworthy, so it always takes the fp32 path.
+    # 16-bit inputs: the chunk products take 16-bit operands (fp32 accumulate) and the triangular
+    # inverse runs at tf32, as in flash-linear-attention: the output is 16-bit anyway.  fp32 inputs
+    # keep fp32 operands at ``precision`` throughout.  The interpreter's 16-bit dot is not
+    # trustworthy, so it always takes the fp32 path.
     lowp = q.element_size() == 2 and not interpreting()
     f32 = dict(dtype=torch.float32, device=q.device)
     gc = alloc(B, T, H, K, **f32)
@@ -338,7 +339,7 @@ def chunk_kda_fwd(
     _kda_intra_kernel[(NT, H)](
         q, k, v, g, beta, gc, Akk, w, u, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
         H=H, K=K, V=V, BT=BT, BC=16, BK=BK, BV=BV, BKC=BKC, LOG2_BT=BT.bit_length() - 1,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
+        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision, num_warps=4,
     )
     h = alloc(NT, H, K, V, **f32)
     v_new = alloc(B, T, H, V, **f32)

@@ -93,6 +93,41 @@ def fused_recurrent_kda(
     for slot 0, the null slot.
     """
     pooled = ssm_state_indices is not None
+    h0 = initial_state
+    # A decode step is called with the same signature every time: validate it once.
+    sig = (q.shape, k.shape, v.shape, g.shape, beta.shape, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+           q.device, k.device, v.device, g.device, beta.device,
+           None if h0 is None else (h0.shape, h0.dtype, h0.device, h0.is_contiguous()),
+           (ssm_state_indices.shape, ssm_state_indices.dtype, ssm_state_indices.device) if pooled else None,
+           bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel))
+    plan = _plans.get(sig)
+    if plan is None:
+        plan = _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices,
+                     use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel)
+        if len(_plans) > 256:
+            _plans.clear()
+        _plans[sig] = plan
+    N, T, H, K, V, grid, constexprs, key = plan
+    scale = K**-0.5 if scale is None else float(scale)
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and g.is_contiguous()
+            and beta.is_contiguous()):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = alloc(N, T, H, V, dtype=v.dtype, device=v.device)
+    if pooled:
+        ht = h0
+    else:
+        h0 = h0.contiguous() if h0 is not None else None
+        ht = alloc(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    _launch(grid, key, (q, k, v, g, beta, o, h0, ht, ssm_state_indices, scale, T), constexprs)
+    return o, ht
+
+
+_plans: dict = {}
+
+
+def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices, l2norm, beta_sigmoid):
+    """Validate a call signature and prepare its launch: (N, T, H, K, V, grid, constexprs, key)."""
+    pooled = ssm_state_indices is not None
     if pooled:
         if initial_state is None:
             raise ValueError("ssm_state_indices needs initial_state: the state-slot pool [num_slots, H, K, V]")
@@ -105,22 +140,10 @@ def fused_recurrent_kda(
                              f"got {ssm_state_indices.dtype} {tuple(ssm_state_indices.shape)}")
         if ssm_state_indices.device != q.device:
             raise ValueError(f"ssm_state_indices is on {ssm_state_indices.device} but q is on {q.device}")
-    scale = K**-0.5 if scale is None else float(scale)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     BK = block_size(K, 1)
     BV = min(block_size(V, 1), 32)
-    o = alloc(N, T, H, V, dtype=v.dtype, device=v.device)
-    if pooled:
-        h0 = ht = initial_state
-    else:
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        ht = alloc(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
-    flags = dict(USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, USE_SLOTS=pooled,
-                 L2NORM_QK=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel))
+    flags = dict(USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=pooled or bool(output_final_state),
+                 USE_SLOTS=pooled, L2NORM_QK=bool(l2norm), BETA_SIGMOID=bool(beta_sigmoid))
     key = (N, T, H, K, V, q.dtype, g.dtype, beta.dtype, q.device, pooled and ssm_state_indices.dtype, *flags.values())
-    _launch(
-        (triton.cdiv(V, BV), N, H), key,
-        (q, k, v, g, beta, o, h0, ht, ssm_state_indices, scale, T),
-        dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=1 if BK * BV <= 1024 else 4),
-    )
-    return o, ht
+    constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=1 if BK * BV <= 1024 else 4)
+    return N, T, H, K, V, (triton.cdiv(V, BV), N, H), constexprs, key
