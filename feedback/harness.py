@@ -104,7 +104,7 @@ def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:
         return fallback
 
 
-def judge_revision(repo_tree: str | pathlib.Path, rev: str, **kwargs) -> tuple[pathlib.Path, tempfile.TemporaryDirectory]:
+def export_baseline(repo_tree: str | pathlib.Path, rev: str) -> tuple[pathlib.Path, tempfile.TemporaryDirectory]:
     """Export ``rev`` of the target's repository to a temporary tree (for use as a baseline)."""
     from feedback.targets import export_revision
 

@@ -20,7 +20,6 @@ import os
 import pathlib
 import platform
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -274,7 +273,3 @@ def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
                                   symbol=", ".join(spec.covers.symbols[:2]) or None, param=params or None)))
             failed = True
     return result.model_copy(update={"findings": findings, "status": Status.failed if failed else result.status})
-
-
-def which_python() -> str:  # pragma: no cover - diagnostic helper
-    return shutil.which("python3") or sys.executable

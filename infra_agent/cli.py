@@ -115,7 +115,7 @@ def feedback(
     """
     import pathlib
 
-    from feedback.harness import UnknownProbe, judge, judge_revision
+    from feedback.harness import UnknownProbe, judge, export_baseline
     from feedback.manifest import ManifestError, load_manifest
     from feedback.select import DiffError, changed_since, files_in_diff
 
@@ -136,7 +136,7 @@ def feedback(
         keep = None
         base_tree = None
         if base_rev:
-            base_tree, keep = judge_revision(root, base_rev)
+            base_tree, keep = export_baseline(root, base_rev)
         extra_env = {"INFRA_AGENT_TRACE_DIR": str(pathlib.Path(trace_dir).resolve())} if trace_dir else None
         report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
                                     run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,

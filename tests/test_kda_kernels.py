@@ -241,7 +241,7 @@ def _dot_calls(path: pathlib.Path):
 def test_every_tl_dot_states_its_input_precision():
     files = sorted(OPS_DIR.rglob("*.py"))
     calls = [(f, c) for f in files for c in _dot_calls(f)]
-    assert len(calls) >= 6  # the KDA kernels really are scanned
+    assert len(calls) >= 5  # the KDA kernels really are scanned
     missing = [f"{f.relative_to(OPS_DIR)}:{c.lineno}" for f, c in calls
                if not any(kw.arg == "input_precision" for kw in c.keywords)]
     assert not missing, f"tl.dot without input_precision: {missing}"

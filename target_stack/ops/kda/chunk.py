@@ -37,6 +37,15 @@ def _dot(a, b, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT: tl.constexpr):
+    """First token of packed chunk ``i_c`` and the end of its sequence (chunks never cross one)."""
+    i_n = tl.load(chunk_seq + i_c).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT, eos
+
+
+@triton.jit
 def _kda_intra_kernel(
     q, k, v, g, beta, gc, Akk, w, u, Pqk,
     cu_seqlens, chunk_seq, chunk_pos,
@@ -47,10 +56,7 @@ def _kda_intra_kernel(
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_seq + i_c).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
 
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
@@ -213,10 +219,7 @@ def _kda_output_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
-    i_n = tl.load(chunk_seq + i_c).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT
+    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
 
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
