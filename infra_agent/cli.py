@@ -176,6 +176,51 @@ def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
         return judge_fn(root, on_start=on_start, on_result=on_result, **kwargs)
 
 
+playbooks_app = typer.Typer(help="Optimisation playbooks: when they apply, what they change, how to validate.",
+                             no_args_is_help=True)
+app.add_typer(playbooks_app, name="playbooks")
+
+
+def _library():
+    from playbooks.model import PlaybookError, load_library
+
+    try:
+        return load_library()
+    except PlaybookError as exc:
+        fail(str(exc))
+
+
+@playbooks_app.command("list")
+def playbooks_list(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the playbooks."""
+    from rich.table import Table
+
+    lib = _library()
+    if as_json:
+        import json
+
+        print(json.dumps([{"id": p.id, "title": p.title, "sources": p.sources, "risk": p.risk,
+                           "executable": p.transformation.transform is not None} for p in lib.values()], indent=2))
+        return
+    table = Table("id", "title", "from", "risk", "transform")
+    for p in lib.values():
+        table.add_row(p.id, p.title, ", ".join(p.sources), ", ".join(p.risk) or "-",
+                      "executable" if p.transformation.transform else "text")
+    console.print(table)
+
+
+@playbooks_app.command("show")
+def playbooks_show(playbook_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Show one playbook in full."""
+    import yaml
+
+    lib = _library()
+    if playbook_id not in lib:
+        fail(f"unknown playbook {playbook_id!r}; known: {', '.join(lib)}")
+    console.print(yaml.safe_dump(lib[playbook_id].model_dump(mode="json", exclude_none=True), sort_keys=False,
+                                 width=100), highlight=False, soft_wrap=True)
+
+
 def main() -> None:  # pragma: no cover - console script entry point
     app()
 if __name__ == "__main__":  # pragma: no cover

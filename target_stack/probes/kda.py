@@ -118,6 +118,8 @@ def null_slot(ctx: ProbeContext) -> None:
 
 
 def _decode_bench(ctx: ProbeContext) -> None:
+    import time
+
     from feedback.microbench import time_fn
 
     if not torch.cuda.is_available():
@@ -127,9 +129,22 @@ def _decode_bench(ctx: ProbeContext) -> None:
     x = [t.cuda() for t in make_inputs(B, 1, H, K, V, dtype=torch.bfloat16, device="cpu")]
     pool = torch.randn(B + 1, H, K, V, device="cuda") * 0.1
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
-    seconds = time_fn(lambda: fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots))
+    step = lambda: fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)  # noqa: E731
+    seconds = time_fn(step)
+    src = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() / time_fn(lambda: dst.copy_(src))
+    state_bw = 2 * pool[1:].numel() * 4 / seconds
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        step()
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - t0) / 100
     ctx.metric("step_us", seconds * 1e6, unit="us", better="lower")
-    ctx.metric("state_TBps", 2 * pool[1:].numel() * 4 / seconds / 1e12, unit="TB/s", better="higher")
+    ctx.metric("state_TBps", state_bw / 1e12, unit="TB/s", better="higher")
+    ctx.metric("bandwidth_vs_copy", state_bw / copy_bw, better="higher")
+    ctx.metric("host_overhead_ratio", eager / seconds, better="lower")
 
 
 @probe(kind="microbench")

@@ -1,0 +1,250 @@
+"""Playbook schema, loader and applicability evaluation."""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import pathlib
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from feedback.models import FeedbackReport
+
+LIBRARY = pathlib.Path(__file__).resolve().parent / "library"
+_OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
+
+
+class PlaybookError(Exception):
+    pass
+
+
+class MetricPredicate(BaseModel):
+    """A metric of some probe compared with a number, e.g. ``*.bandwidth_vs_copy < 0.6``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    probe: str = Field("*", description="glob over probe ids")
+    metric: str = Field(description="glob over metric names")
+    op: Literal["<", "<=", ">", ">=", "=="]
+    value: float
+
+    def evidence(self, report: FeedbackReport) -> list[str]:
+        out = []
+        for r in report.results:
+            if not fnmatch.fnmatchcase(r.probe, self.probe):
+                continue
+            for name, m in r.metrics.items():
+                if fnmatch.fnmatchcase(name, self.metric) and _OPS[self.op](m.value, self.value):
+                    out.append(f"{r.probe}.{name} = {m.value:.4g} {self.op} {self.value:g}")
+        return out
+
+
+class FindingPredicate(BaseModel):
+    """A finding (or failure reason) of some probe whose message matches a regex."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    probe: str = Field("*", description="glob over probe ids")
+    message: str = Field(description="regex searched in finding messages and failure reasons")
+
+    @field_validator("message")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        re.compile(v)
+        return v
+
+    def evidence(self, report: FeedbackReport) -> list[str]:
+        pat = re.compile(self.message)
+        out = []
+        for r in report.results:
+            if not fnmatch.fnmatchcase(r.probe, self.probe):
+                continue
+            texts = [f.message + (f" [{f.location.render()}]" if f.location.render() else "") for f in r.findings]
+            texts += [r.reason] if r.reason else []
+            out += [f"{r.probe}: {t}" for t in texts if pat.search(t)]
+        return out
+
+
+Predicate = MetricPredicate | FindingPredicate
+
+
+class Signals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    all_of: list[Predicate] = Field(default_factory=list, description="every one must hold")
+    any_of: list[Predicate] = Field(default_factory=list, description="at least one must hold, if given")
+    none_of: list[Predicate] = Field(default_factory=list, description="evidence against: any one declines")
+
+
+class CodePattern(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    paths: list[str] = Field(default_factory=lambda: ["**/*.py"])
+    regex: str
+    description: str = ""
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        re.compile(v, re.MULTILINE)
+        return v
+
+
+class ApplicabilitySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    signals: Signals
+    code: list[CodePattern] = Field(default_factory=list, description="at least one must match, if given")
+
+    @model_validator(mode="after")
+    def _rests_on_evidence(self) -> ApplicabilitySpec:
+        if not (self.signals.all_of or self.signals.any_of):
+            raise ValueError("applicability must rest on feedback signals (all_of or any_of), not on code alone")
+        return self
+
+
+class Transformation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    text: str = Field(description="how to apply the technique, for a model or a person")
+    transform: str | None = Field(None, description="executable transform, module:function")
+    knobs: dict[str, Any] = Field(default_factory=dict, description="parameters the transform may set")
+
+    @field_validator("transform")
+    @classmethod
+    def _entry(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError(f"transform must look like module.path:function, got {v!r}")
+        return v
+
+
+class Validation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    probes: list[str] = Field(default_factory=list, description="probe id globs that must pass afterwards")
+    criteria: list[str] = Field(default_factory=list, description="'<probe>.<metric> <op> <number>' after the change")
+
+
+class Playbook(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9\-]*$")
+    title: str
+    sources: list[str] = Field(min_length=1, description="where the technique comes from")
+    summary: str
+    applicability: ApplicabilitySpec
+    transformation: Transformation
+    constraints: dict[str, Any] = Field(default_factory=dict, description="registers, shared memory, precision, "
+                                                                             "platforms")
+    validation: Validation = Field(default_factory=Validation)
+    risk: list[Literal["numerics", "concurrency", "production"]] = Field(default_factory=list)
+
+
+class CodeMatch(BaseModel):
+    file: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.text.strip()[:120]}"
+
+
+class Applicability(BaseModel):
+    playbook: str
+    applies: bool
+    evidence: list[str] = Field(default_factory=list)
+    code_matches: list[CodeMatch] = Field(default_factory=list)
+    reason: str = ""
+
+
+def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
+    rx = re.compile(pattern.regex, re.MULTILINE)
+    hits: list[CodeMatch] = []
+    seen: set[pathlib.Path] = set()
+    for glob in pattern.paths:
+        for path in sorted(tree.glob(glob)):
+            if path in seen or not path.is_file() or ".infra-agent" in path.parts or "__pycache__" in path.parts:
+                continue
+            seen.add(path)
+            try:
+                text = path.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            for m in rx.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                hits.append(CodeMatch(file=str(path.relative_to(tree)), line=line, text=text.splitlines()[line - 1]))
+    return hits
+
+
+def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path) -> Applicability:
+    """Does ``pb`` apply to ``tree`` given the feedback ``report``?  Evidence is returned either way."""
+    tree = pathlib.Path(tree)
+    sig = pb.applicability.signals
+    evidence: list[str] = []
+    for pred in sig.none_of:
+        against = pred.evidence(report)
+        if against:
+            return Applicability(playbook=pb.id, applies=False, evidence=against,
+                                 reason=f"declined: evidence against it: {against[0]}")
+    for pred in sig.all_of:
+        ev = pred.evidence(report)
+        if not ev:
+            return Applicability(playbook=pb.id, applies=False, evidence=evidence,
+                                 reason=f"declined: no evidence for {_describe(pred)}")
+        evidence += ev
+    if sig.any_of:
+        found = [e for pred in sig.any_of for e in pred.evidence(report)]
+        if not found:
+            return Applicability(playbook=pb.id, applies=False, evidence=evidence,
+                                 reason="declined: none of " + "; ".join(_describe(p) for p in sig.any_of))
+        evidence += found
+    matches = [m for pat in pb.applicability.code for m in _match_code(pat, tree)]
+    if pb.applicability.code and not matches:
+        return Applicability(playbook=pb.id, applies=False, evidence=evidence,
+                             reason="declined: the feedback fits but no code pattern matches in the target")
+    return Applicability(playbook=pb.id, applies=True, evidence=evidence, code_matches=matches,
+                         reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""))
+
+
+def _describe(pred: Predicate) -> str:
+    if isinstance(pred, MetricPredicate):
+        return f"{pred.probe}.{pred.metric} {pred.op} {pred.value:g}"
+    return f"a finding of {pred.probe} matching /{pred.message}/"
+
+
+def load_playbook(path: str | pathlib.Path) -> Playbook:
+    path = pathlib.Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+        return Playbook.model_validate(data)
+    except yaml.YAMLError as exc:
+        raise PlaybookError(f"{path}: not valid YAML: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise PlaybookError(f"{path}: {loc}: {first['msg']}") from None
+
+
+def load_library(directory: str | pathlib.Path | None = None) -> dict[str, Playbook]:
+    out: dict[str, Playbook] = {}
+    for path in sorted(pathlib.Path(directory or LIBRARY).glob("*.yaml")):
+        pb = load_playbook(path)
+        if pb.id in out:
+            raise PlaybookError(f"{path}: duplicate playbook id {pb.id!r}")
+        out[pb.id] = pb
+    return out
+
+
+def run_transform(pb: Playbook, tree: str | pathlib.Path, applicability: Applicability,
+                  knobs: dict[str, Any] | None = None) -> list[str]:
+    """Apply the playbook's executable transform in ``tree``; returns the files it changed."""
+    if pb.transformation.transform is None:
+        raise PlaybookError(f"playbook {pb.id} has no executable transform (text only)")
+    import importlib
+
+    module, func = pb.transformation.transform.split(":")
+    fn = getattr(importlib.import_module(module), func)
+    return fn(pathlib.Path(tree), applicability.code_matches, {**pb.transformation.knobs, **(knobs or {})})

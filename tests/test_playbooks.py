@@ -1,0 +1,185 @@
+"""Every playbook on a case where it applies and one where it must decline; transforms on real trees."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from feedback.harness import judge
+from feedback.models import FeedbackReport, Finding, Location, Metric, ProbeResult, Status
+from feedback.targets import materialize_bundled
+from playbooks.model import PlaybookError, evaluate, load_library, load_playbook, run_transform
+
+LIB = load_library()
+
+
+def report(*results: ProbeResult) -> FeedbackReport:
+    return FeedbackReport(target="t", candidate="t", results=list(results))
+
+
+def metrics(probe: str, **values: float) -> ProbeResult:
+    return ProbeResult(probe=probe, status=Status.passed, metrics={k: Metric(value=v) for k, v in values.items()})
+
+
+def finding(probe: str, message: str, status: Status = Status.failed) -> ProbeResult:
+    return ProbeResult(probe=probe, status=status, findings=[Finding(message=message, location=Location())])
+
+
+def tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+V_TILED = '''
+@triton.jit
+def decode(q, k, BV: tl.constexpr):
+    i_v = tl.program_id(0)
+    b_q = tl.load(q)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+'''
+
+CASES = {
+    # id: (applies: (report, files), declines: (report, files))
+    "tf32x3-fp32-dot-chains": (
+        (report(finding("s.static", "tl.dot without input_precision: fp32 operands default to tf32")),
+         {"k.py": "acc = tl.dot(a, b)\n"}),
+        (report(metrics("x.cp.merge", error_growth=0.8)), {"k.py": "acc = tl.dot(a, b)\n"}),
+    ),
+    "release-gil-native-calls": (
+        (report(metrics("e.events", heartbeat_max_gap_ms=20.0)), {"n.py": "lib = ctypes.PyDLL('x.so')\n"}),
+        (report(metrics("e.events", heartbeat_max_gap_ms=0.6)), {"n.py": "lib = ctypes.PyDLL('x.so')\n"}),
+    ),
+    "fuse-v-tiles": (
+        (report(metrics("d.decode.bench", bandwidth_vs_copy=0.22)), {"d.py": V_TILED}),
+        # memory-bound (the H200 at batch 256 ran at 94% of copy): must decline despite the pattern
+        (report(metrics("d.decode.bench", bandwidth_vs_copy=0.22), metrics("d.decode.bench256", bandwidth_vs_copy=0.94)),
+         {"d.py": V_TILED}),
+    ),
+    "reciprocal-rsqrt": (
+        (report(metrics("d.bench", bandwidth_vs_copy=0.3)), {"d.py": V_TILED}),
+        (report(metrics("d.bench", bandwidth_vs_copy=0.9)), {"d.py": V_TILED}),
+    ),
+    "cuda-graph-decode": (
+        (report(metrics("d.decode.bench", host_overhead_ratio=11.0)), {"engine.py": "def decode_step(batch):\n"}),
+        (report(metrics("d.decode.bench", host_overhead_ratio=1.05)), {"engine.py": "def decode_step(batch):\n"}),
+    ),
+    "retune-launch-params": (
+        (report(metrics("p.prefill.bench", bandwidth_vs_copy=0.1)), {"k.py": "kern[grid](x, num_warps=4)\n"}),
+        (report(metrics("p.prefill.bench", bandwidth_vs_copy=0.85)), {"k.py": "kern[grid](x, num_warps=4)\n"}),
+    ),
+    "fuse-quant-into-producer": (
+        (report(finding("m.trace", "top 1: per_token_quant_kernel (cuda) 120 us, 35% of cuda time", Status.passed)),
+         {"m.py": "xq, s = quantize_per_token(x)\n"}),
+        (report(finding("m.trace", "top 1: matmul_kernel (cuda) 400 us, 80% of cuda time", Status.passed)),
+         {"m.py": "xq, s = quantize_per_token(x)\n"}),
+    ),
+    "persistent-grid": (
+        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=6.0)), {"k.py": "kern[(triton.cdiv(n, 16),)](x)\n"}),
+        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=900.0)), {"k.py": "kern[(triton.cdiv(n, 16),)](x)\n"}),
+    ),
+}
+
+
+def test_library_has_at_least_eight_playbooks_each_tested_here():
+    assert len(LIB) >= 8
+    assert set(LIB) == set(CASES)
+    for pb in LIB.values():
+        assert pb.sources and pb.applicability.signals.all_of + pb.applicability.signals.any_of
+
+
+@pytest.mark.parametrize("pid", sorted(CASES))
+def test_playbook_applies_on_evidence_and_declines_without(pid, tmp_path):
+    (rep_yes, files_yes), (rep_no, files_no) = CASES[pid]
+    yes = evaluate(LIB[pid], rep_yes, tree(tmp_path / "yes", files_yes))
+    assert yes.applies, yes.reason
+    assert yes.evidence and yes.code_matches
+    no = evaluate(LIB[pid], rep_no, tree(tmp_path / "no", files_no))
+    assert not no.applies and no.reason.startswith("declined")
+
+
+def test_a_pattern_without_evidence_never_applies(tmp_path):
+    t = tree(tmp_path, {"k.py": "acc = tl.dot(a, b)\nlib = ctypes.PyDLL('x')\ny = x / tl.sqrt(z)\n"})
+    empty = report(metrics("any.probe", step_us=5.0))
+    assert not any(evaluate(pb, empty, t).applies for pb in LIB.values())
+
+
+def test_evidence_without_the_code_pattern_declines(tmp_path):
+    rep = report(finding("s.static", "tl.dot without input_precision"))
+    res = evaluate(LIB["tf32x3-fp32-dot-chains"], rep, tree(tmp_path, {"k.py": "x = 1\n"}))
+    assert not res.applies and "no code pattern" in res.reason
+
+
+def test_playbook_schema_refuses_code_only_applicability(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("""
+id: bad
+title: t
+sources: [x]
+summary: s
+applicability:
+  signals: {none_of: [{metric: a, op: "<", value: 1}]}
+  code: [{regex: "x"}]
+transformation: {text: t}
+""")
+    with pytest.raises(PlaybookError, match="must rest on feedback signals"):
+        load_playbook(bad)
+
+
+def test_rsqrt_and_cdll_transforms_edit_only_the_matches(tmp_path):
+    t = tree(tmp_path, {"d.py": V_TILED, "n.py": "import ctypes\nlib = ctypes.PyDLL('libc.so.6')\n"})
+    rs = evaluate(LIB["reciprocal-rsqrt"], report(metrics("d.bench", bandwidth_vs_copy=0.3)), t)
+    assert run_transform(LIB["reciprocal-rsqrt"], t, rs) == ["d.py"]
+    assert "b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)" in (t / "d.py").read_text()
+    gil = evaluate(LIB["release-gil-native-calls"], report(metrics("e", heartbeat_max_gap_ms=20.0)), t)
+    assert run_transform(LIB["release-gil-native-calls"], t, gil) == ["n.py"]
+    assert (t / "n.py").read_text() == "import ctypes\nlib = ctypes.CDLL('libc.so.6')\n"
+    with pytest.raises(PlaybookError, match="text only"):
+        run_transform(LIB["fuse-v-tiles"], t, rs)
+
+
+def test_tf32x3_playbook_fixes_an_implicit_tf32_merge_in_the_bundled_target(tmp_path):
+    """Feedback -> applicability -> executable transform -> the same probes pass again."""
+    t = materialize_bundled(tmp_path / "ts")
+    cp = t / "target_stack" / "ops" / "kda" / "cp.py"
+    cp.write_text(cp.read_text().replace("tl.dot(b_M, b_h, input_precision=MERGE_PRECISION)", "tl.dot(b_M, b_h)"))
+    broken = judge(t, probe_ids=["kda.static.dot_precision", "kda.cp.merge"], run_all=True, use_cache=False)
+    assert {r.probe: r.status for r in broken.results} == {"kda.static.dot_precision": Status.failed,
+                                                           "kda.cp.merge": Status.failed}
+    pb = LIB["tf32x3-fp32-dot-chains"]
+    app = evaluate(pb, broken, t)
+    assert app.applies and any(m.file == "target_stack/ops/kda/cp.py" for m in app.code_matches)
+    assert run_transform(pb, t, app) == ["target_stack/ops/kda/cp.py"]
+    assert "tl.dot(b_M, b_h, input_precision=MERGE_PRECISION)" in cp.read_text()  # the kernel's own knob
+    fixed = judge(t, probe_ids=["kda.static.dot_precision", "kda.cp.merge"], run_all=True, use_cache=False)
+    assert all(r.status == Status.passed for r in fixed.results), [r.reason for r in fixed.results]
+
+
+def test_state_dot_precision_uses_a_literal_without_a_precision_parameter(tmp_path):
+    t = tree(tmp_path, {"k.py": "def kern(a, b, N):\n    return tl.dot(a,\n                  b)\n"})
+    app = evaluate(LIB["tf32x3-fp32-dot-chains"], report(finding("s", "tl.dot without input_precision")), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["tf32x3-fp32-dot-chains"], t, app) == ["k.py"]
+    src = (t / "k.py").read_text()
+    assert "b, input_precision='tf32x3')" in src
+    compile(src, "k.py", "exec")
+
+
+def test_playbooks_cli(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "playbooks", "list", "--json"],
+                         capture_output=True, text=True, check=True)
+    import json
+
+    ids = {p["id"] for p in json.loads(out.stdout)}
+    assert ids == set(LIB)
+    show = subprocess.run([sys.executable, "-m", "infra_agent.cli", "playbooks", "show", "fuse-v-tiles"],
+                          capture_output=True, text=True, check=True)
+    assert "bandwidth_vs_copy" in show.stdout and "flash-linear-attention" in show.stdout
+    bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "playbooks", "show", "nope"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "known: " in bad.stderr
