@@ -221,6 +221,131 @@ def playbooks_show(playbook_id: str = typer.Argument(..., metavar="ID")) -> None
                                  width=100), highlight=False, soft_wrap=True)
 
 
+DEFAULT_GOAL = ("Find and fix what the feedback flags (failing probes, acceptance criteria), then look for speed "
+                "where the microbenchmarks show headroom.")
+
+
+@app.command()
+def run(
+    target: str = typer.Option(None, "--target", help="a git repository with an infra-agent.yaml (default: bundled)"),
+    goal: str = typer.Option(DEFAULT_GOAL, "--goal", help="the task given to the agent"),
+    backend: str = typer.Option(None, "--backend", help="offline | openai | replay (default: openai when an API key "
+                                                        "is set, else offline)"),
+    model: str = typer.Option(None, "--model", help="model name for the openai backend"),
+    base_url: str = typer.Option(None, "--base-url", help="OpenAI-compatible endpoint"),
+    trajectory: str = typer.Option(None, "--trajectory", help="replay backend: the trajectory JSONL to replay"),
+    max_steps: int = typer.Option(20, "--max-steps", min=1),
+    time_limit: float = typer.Option(1800.0, "--time-limit", min=1.0, help="seconds"),
+    jobs: int = typer.Option(2, "--jobs", "-j", min=1),
+    as_json: bool = typer.Option(False, "--json", help="print the session summary as JSON"),
+) -> None:
+    """Run an agent session: feedback, hypotheses, patches judged by the harness, a summary.
+
+    Exit code 0: the session finished with no failing probe left unaddressed (fixed, or held for
+    review); 1: probes still fail; 2: usage error; 130: interrupted (everything so far is kept).
+    """
+    import os
+    import pathlib
+
+    from infra_agent.agent import Agent, Limits
+    from infra_agent.session import make_backend, print_event, summarise
+    from infra_agent.workspace import GitWorkspace, new_session_id
+
+    if backend is None:
+        backend = "openai" if (os.environ.get("ZAI_API_KEY") or os.environ.get("OPENAI_API_KEY")) else "offline"
+    if backend not in ("offline", "openai", "replay"):
+        fail(f"--backend must be offline, openai or replay, got {backend!r}")
+    session = new_session_id()
+    try:
+        ws = (GitWorkspace.external(pathlib.Path(target), session) if target
+              else GitWorkspace.bundled(session))
+        be = make_backend(backend, ws, model=model, base_url=base_url, trajectory=trajectory)
+    except ValueError as exc:
+        fail(str(exc))
+    agent = Agent(be, ws, goal, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
+                  on_event=None if as_json else print_event(console))
+    if not as_json:
+        console.print(f"[bold]session {session}[/] on {ws.target_label}, backend {backend}"
+                      + (f" ({be.model})" if getattr(be, "model", None) else "") + f", branch {ws.branch}")
+    try:
+        outcome = agent.run()
+    finally:
+        ws.close()
+    summary = summarise(agent)
+    (ws.state_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2, default=str))
+    if as_json:
+        print(__import__("json").dumps(summary, indent=2, default=str))
+    else:
+        from infra_agent.session import render_summary
+
+        render_summary(summary, console)
+    raise typer.Exit(130 if outcome == "interrupted" else summary["exit_code"])
+
+
+sessions_app = typer.Typer(help="Agent sessions: their branches, attempts and trajectories.", no_args_is_help=True)
+app.add_typer(sessions_app, name="sessions")
+
+
+@sessions_app.command("list")
+def sessions_list(target: str = typer.Option(None, "--target")) -> None:
+    """List sessions (of the bundled target in this directory, or of --target)."""
+    import pathlib
+
+    from rich.table import Table
+
+    from infra_agent.workspace import list_sessions
+
+    table = Table("session", "target", "branch", "started", "outcome", "attempts")
+    for s in list_sessions(pathlib.Path(target) if target else None):
+        summ = s.get("summary", {})
+        table.add_row(s["session"], s["target"], s["branch"], s["started"], summ.get("outcome", "-"),
+                      str(len(summ.get("attempts", []))) if summ else "-")
+    console.print(table)
+
+
+@sessions_app.command("show")
+def sessions_show(session: str = typer.Argument(...), target: str = typer.Option(None, "--target")) -> None:
+    """Show one session's summary."""
+    import pathlib
+
+    from infra_agent.session import render_summary
+    from infra_agent.workspace import list_sessions
+
+    found = [s for s in list_sessions(pathlib.Path(target) if target else None) if s["session"] == session]
+    if not found:
+        fail(f"no session {session!r}")
+    if "summary" not in found[0]:
+        fail(f"session {session} has no summary (still running, or killed before the end)")
+    render_summary(found[0]["summary"], console)
+
+
+@sessions_app.command("clean")
+def sessions_clean(target: str = typer.Option(None, "--target"),
+                   keep_branches: bool = typer.Option(False, help="keep the session branches")) -> None:
+    """Remove session folders and worktrees (and their branches unless --keep-branches)."""
+    import pathlib
+    import shutil
+
+    import git
+
+    from infra_agent.workspace import list_sessions
+
+    n = 0
+    for s in list_sessions(pathlib.Path(target) if target else None):
+        shutil.rmtree(s["dir"], ignore_errors=True)
+        try:  # an external target's repository keeps worktree records and the session branches
+            repo = git.Repo(s["repo"])
+            repo.git.worktree("prune")
+            if not keep_branches:
+                for head in list(repo.heads):
+                    if head.name == s["branch"] or head.name.startswith(s["branch"] + "-"):
+                        repo.delete_head(head, force=True)
+        except Exception:  # noqa: BLE001 - the bundled target's repository went with its folder
+            pass
+        n += 1
+    console.print(f"removed {n} session(s)")
+
+
 def main() -> None:  # pragma: no cover - console script entry point
     app()
 if __name__ == "__main__":  # pragma: no cover

@@ -166,7 +166,8 @@ def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
     seen: set[pathlib.Path] = set()
     for glob in pattern.paths:
         for path in sorted(tree.glob(glob)):
-            if path in seen or not path.is_file() or ".infra-agent" in path.parts or "__pycache__" in path.parts:
+            rel = path.relative_to(tree)
+            if path in seen or not path.is_file() or {".git", ".infra-agent", "__pycache__"} & set(rel.parts):
                 continue
             seen.add(path)
             try:
@@ -175,7 +176,7 @@ def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
                 continue
             for m in rx.finditer(text):
                 line = text.count("\n", 0, m.start()) + 1
-                hits.append(CodeMatch(file=str(path.relative_to(tree)), line=line, text=text.splitlines()[line - 1]))
+                hits.append(CodeMatch(file=str(rel), line=line, text=text.splitlines()[line - 1]))
     return hits
 
 

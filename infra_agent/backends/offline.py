@@ -1,0 +1,60 @@
+"""The offline backend: a deterministic playbook policy, no model and no network.
+
+Each step it evaluates the playbooks against the latest feedback on the baseline and the
+baseline's code, takes the first applicable playbook with an executable transform that it has
+not tried, runs the transform in a scratch worktree to obtain the diff, and proposes it.  When
+no playbook applies it finishes.  It holds no answer for any particular defect: whatever it
+does comes from the feedback signals and the code patterns the playbooks declare.
+"""
+
+from __future__ import annotations
+
+from infra_agent.agent import Action, AgentState
+from playbooks.model import Playbook, evaluate, load_library, run_transform
+
+
+class OfflineBackend:
+    name = "offline"
+    model = None
+
+    def __init__(self, workspace, library: dict[str, Playbook] | None = None):
+        self.ws = workspace
+        self.library = library if library is not None else load_library()
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+        self._tried: set[str] = set()
+
+    def next_action(self, state: AgentState) -> Action:
+        tried = self._tried | {a.playbook for a in state.attempts if a.playbook}
+        notes = []
+        for pb in self.library.values():
+            if pb.id in tried:
+                continue
+            app = evaluate(pb, state.feedback, state.tree)
+            if not app.applies:
+                continue
+            if pb.transformation.transform is None:
+                notes.append(f"{pb.id} applies ({app.reason}) but is text only: left for a model or a person")
+                self._tried.add(pb.id)
+                continue
+            self._tried.add(pb.id)
+            diff = self._diff(pb, app)
+            if not diff.strip():
+                notes.append(f"{pb.id} applies but its transform changed nothing")
+                continue
+            hypothesis = (f"{pb.title}. Evidence: {'; '.join(app.evidence[:3])}. "
+                          f"Code: {', '.join(str(m) for m in app.code_matches[:3])}.")
+            return Action("propose_patch", {"hypothesis": hypothesis, "diff": diff, "playbook_id": pb.id})
+        accepted = [a for a in state.attempts if a.decision == "accepted"]
+        held = [a for a in state.attempts if a.decision == "held"]
+        summary = (f"No playbook applies to the remaining feedback. {len(state.attempts)} attempt(s): "
+                   f"{len(accepted)} accepted, {len(held)} held for review."
+                   + (" " + " ".join(notes) if notes else ""))
+        return Action("finish", {"summary": summary})
+
+    def _diff(self, pb: Playbook, app) -> str:
+        scratch = self.ws.new_candidate()
+        try:
+            changed = run_transform(pb, scratch.path, app)
+            return self.ws.diff(scratch) if changed else ""
+        finally:
+            self.ws.discard(scratch)

@@ -1,0 +1,117 @@
+"""Session plumbing for ``infra-agent run``: backend choice, the live view, the summary."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.table import Table
+
+from infra_agent.agent import Agent
+
+
+def make_backend(kind: str, workspace, *, model: str | None = None, base_url: str | None = None,
+                 trajectory: str | None = None):
+    if kind == "offline":
+        from infra_agent.backends.offline import OfflineBackend
+
+        return OfflineBackend(workspace)
+    if kind == "openai":
+        from infra_agent.backends.openai_backend import OpenAIBackend
+
+        return OpenAIBackend(model=model, base_url=base_url)
+    if kind == "replay":
+        from infra_agent.backends.replay import ReplayBackend
+
+        if not trajectory:
+            raise ValueError("--backend replay needs --trajectory FILE (a trajectory.jsonl of an earlier session)")
+        return ReplayBackend(trajectory)
+    raise ValueError(f"unknown backend {kind!r}")
+
+
+def print_event(console: Console):
+    """A live, line-per-event view of the session."""
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "judging":
+            what = data["what"]
+            files = f" ({', '.join(data['files'])})" if data.get("files") else ""
+            console.print(f"[dim]judging {what}{files} ...[/]")
+        elif kind == "feedback":
+            r = data["report"]
+            bad = [x.probe for x in r.results if not x.ok]
+            console.print(f"feedback: {len(r.results)} probes, " +
+                          (f"[red]{len(bad)} failing[/]: {', '.join(bad)}" if bad else "[green]all pass[/]") +
+                          f" [dim]({r.duration_s:.1f}s)[/]")
+            for line in r.localisations()[:6]:
+                console.print(f"  [red]x[/] {line}", highlight=False, soft_wrap=True)
+        elif kind == "action":
+            args = data["args"]
+            brief = args.get("hypothesis") or args.get("path") or args.get("pattern") or args.get("summary") or ""
+            console.print(f"[bold]step {data['step']}[/] {data['name']}"
+                          + (f" [cyan]{args.get('playbook_id')}[/]" if args.get("playbook_id") else "")
+                          + (f": {brief[:160]}" if brief else ""), highlight=False)
+        elif kind == "attempt":
+            a = data["attempt"]
+            style = {"accepted": "green", "held": "yellow"}.get(a.decision, "red")
+            console.print(f"  verdict [bold]{a.verdict}[/] -> [{style}]{a.decision}[/]: {a.reason}",
+                          highlight=False, soft_wrap=True)
+            for r in a.risk[:4]:
+                console.print(f"  [yellow]gate[/] {r}", highlight=False, soft_wrap=True)
+        elif kind == "format_error":
+            console.print(f"  [red]format error[/]: {data['message']}", highlight=False)
+
+    return on_event
+
+
+def summarise(agent: Agent) -> dict:
+    initial, final = agent.initial, agent.feedback
+    failing_before = [r.probe for r in initial.results if not r.ok] if initial else []
+    failing_after = [r.probe for r in final.results if not r.ok] if final else []
+    held_fixes = {c.probe for a in agent.attempts if a.decision == "held" and a.report
+                  for c in a.report.comparisons if c.candidate.value == "pass"}
+    unaddressed = [p for p in failing_after if p not in held_fixes]
+    attempts = []
+    for a in agent.attempts:
+        deltas = []
+        if a.report:
+            deltas = [f"{c.probe}.{d.name}: {d.baseline:.3g} -> {d.candidate:.3g}"
+                      for c in a.report.comparisons for d in c.deltas
+                      if d.baseline is not None and d.candidate is not None and d.verdict in ("improved", "regressed")]
+        attempts.append({"step": a.step, "playbook": a.playbook, "hypothesis": a.hypothesis, "verdict": a.verdict,
+                         "decision": a.decision, "reason": a.reason, "commit": a.commit, "branch": a.branch,
+                         "risk": a.risk, "deltas": deltas})
+    return {
+        "session": agent.ws.session, "target": agent.ws.target_label, "branch": agent.ws.branch,
+        "head": agent.ws.head(), "backend": agent.backend.name, "model": getattr(agent.backend, "model", None),
+        "outcome": agent.outcome, "summary": agent.summary_text, "steps": agent.step,
+        "usage": agent.usage, "failing_before": failing_before, "failing_after": failing_after,
+        "unaddressed": unaddressed, "attempts": attempts,
+        "accepted": sum(a["decision"] == "accepted" for a in attempts),
+        "held": sum(a["decision"] == "held" for a in attempts),
+        "rejected": sum(a["decision"] in ("discarded", "refused") for a in attempts),
+        "trajectory": str(agent.trajectory.path),
+        "exit_code": 0 if agent.outcome == "finished" and not unaddressed else 1,
+        "api_key_env": [v for v in ("ZAI_API_KEY", "OPENAI_API_KEY") if os.environ.get(v)],
+    }
+
+
+def render_summary(s: dict, console: Console) -> None:
+    table = Table(title=f"session {s['session']}: {s['outcome']} after {s['steps']} step(s)", title_justify="left")
+    for col in ("step", "playbook", "verdict", "decision", "evidence"):
+        table.add_column(col)
+    for a in s["attempts"]:
+        style = {"accepted": "green", "held": "yellow"}.get(a["decision"], "red")
+        table.add_row(str(a["step"]), a["playbook"] or "-", a["verdict"], f"[{style}]{a['decision']}[/]",
+                      "\n".join([a["reason"], *a["deltas"][:3]]))
+    console.print(table)
+    console.print(f"attempts {len(s['attempts'])}: accepted {s['accepted']}, held for review {s['held']}, "
+                  f"rejected {s['rejected']}; branch {s['branch']} at {s['head'][:10]}")
+    if s["failing_before"]:
+        console.print(f"failing before: {', '.join(s['failing_before'])}")
+    console.print(f"failing now on the branch: {', '.join(s['failing_after']) or 'none'}"
+                  + (f" (fixes held for review: {', '.join(sorted(set(s['failing_after']) - set(s['unaddressed'])))})"
+                     if set(s["failing_after"]) - set(s["unaddressed"]) else ""))
+    if s["summary"]:
+        console.print(f"agent: {s['summary']}", soft_wrap=True, highlight=False)
+    console.print(f"[dim]trajectory {s['trajectory']}[/]")

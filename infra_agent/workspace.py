@@ -1,0 +1,191 @@
+"""Where the agent works: a git repository, one worktree per candidate, a session branch.
+
+* Bundled target: the installed ``target_stack`` is materialised as a scratch repository under
+  ``.infra-agent/workspaces/<session>/repo`` (works from a checkout and from a wheel).
+* External target (``--target DIR``, a git repository with an infra-agent.yaml): worktrees off
+  its HEAD.  The user's checked-out branch and working tree are never touched: the session only
+  creates the branch ``infra-agent/<session>`` and worktrees under ``.infra-agent/``.
+
+Accepted patches are commits on the session branch, which is the next baseline.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import pathlib
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import git
+
+from feedback.manifest import MANIFEST_NAME, Manifest, load_manifest
+from feedback.targets import materialize_bundled
+
+ACTOR = git.Actor("infra-agent", "infra-agent@localhost")
+
+
+def new_session_id() -> str:
+    return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+@dataclass
+class Candidate:
+    name: str
+    path: pathlib.Path
+    base: str  # the commit the candidate started from
+
+
+class GitWorkspace:
+    def __init__(self, repo_dir: pathlib.Path, session: str, state_dir: pathlib.Path, target_label: str):
+        self.repo = git.Repo(repo_dir)
+        self.session = session
+        self.state_dir = state_dir
+        self.target_label = target_label
+        self.branch = f"infra-agent/{session}"
+        self.worktrees = state_dir / "worktrees"
+        self.worktrees.mkdir(parents=True, exist_ok=True)
+        if self.branch not in [h.name for h in self.repo.heads]:
+            self.repo.create_head(self.branch, self.repo.head.commit)
+        self._baseline: Candidate | None = None
+        self._n = 0
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def bundled(cls, session: str, base: pathlib.Path | None = None) -> GitWorkspace:
+        state = (base or pathlib.Path.cwd() / ".infra-agent" / "workspaces") / session
+        repo_dir = state / "repo"
+        if not (repo_dir / ".git").exists():
+            materialize_bundled(repo_dir)
+            (repo_dir / ".gitignore").write_text(".infra-agent/\n__pycache__/\n")
+            repo = git.Repo.init(repo_dir, initial_branch="main")
+            repo.git.add(A=True)
+            repo.index.commit("target_stack as bundled with infra-agent", author=ACTOR, committer=ACTOR)
+        ws = cls(repo_dir, session, state, "bundled:target_stack")
+        ws._write_meta()
+        return ws
+
+    @classmethod
+    def external(cls, target: pathlib.Path, session: str) -> GitWorkspace:
+        target = target.resolve()
+        if not (target / MANIFEST_NAME).is_file():
+            raise ValueError(f"{target} has no {MANIFEST_NAME}")
+        try:
+            repo = git.Repo(target)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+            raise ValueError(f"{target} is not the root of a git repository") from exc
+        if not repo.head.is_valid():
+            raise ValueError(f"{target} has no commits yet")
+        state = target / ".infra-agent" / "workspaces" / session
+        ws = cls(target, session, state, str(target))
+        ws._write_meta()
+        return ws
+
+    def _write_meta(self) -> None:
+        meta = self.state_dir / "session.json"
+        if not meta.exists():
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            meta.write_text(json.dumps({"session": self.session, "target": self.target_label,
+                                        "repo": str(self.repo.working_tree_dir), "branch": self.branch,
+                                        "started": _dt.datetime.now().isoformat(timespec="seconds"),
+                                        "base": self.head()}, indent=2))
+
+    # --- trees ----------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> pathlib.Path:
+        return pathlib.Path(self.repo.working_tree_dir)
+
+    def head(self) -> str:
+        return self.repo.heads[self.branch].commit.hexsha
+
+    def manifest(self) -> Manifest:
+        return load_manifest(self.baseline().path)
+
+    def _add_worktree(self, name: str, commit: str) -> pathlib.Path:
+        path = self.worktrees / name
+        if path.exists():
+            self.repo.git.worktree("remove", "--force", str(path))
+        self.repo.git.worktree("add", "--detach", str(path), commit)
+        return path
+
+    def baseline(self) -> Candidate:
+        """A worktree at the session branch head: what candidates are judged against."""
+        head = self.head()
+        if self._baseline is None or self._baseline.base != head:
+            path = self._add_worktree("baseline", head)
+            self._baseline = Candidate("baseline", path, head)
+        return self._baseline
+
+    def new_candidate(self) -> Candidate:
+        self._n += 1
+        head = self.head()
+        name = f"candidate-{self._n:03d}"
+        return Candidate(name, self._add_worktree(name, head), head)
+
+    def apply(self, cand: Candidate, diff: str) -> None:
+        """Apply a unified diff in the candidate; git's own message on failure."""
+        for args in (["apply", "--check", "--whitespace=nowarn", "-"], ["apply", "--whitespace=nowarn", "-"]):
+            proc = subprocess.run(["git", "-C", str(cand.path), *args], input=diff, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise ValueError("the diff does not apply: " + (proc.stderr.strip().splitlines() or ["?"])[0])
+
+    def diff(self, cand: Candidate) -> str:
+        return git.Repo(cand.path).git.diff(cand.base)
+
+    def accept(self, cand: Candidate, message: str) -> str:
+        """Commit the candidate and advance the session branch to it; returns the commit."""
+        wt = git.Repo(cand.path)
+        wt.git.add(A=True)
+        commit = wt.index.commit(message, author=ACTOR, committer=ACTOR)
+        self.repo.git.update_ref(f"refs/heads/{self.branch}", commit.hexsha, cand.base)
+        return commit.hexsha
+
+    def keep_for_review(self, cand: Candidate, message: str) -> str:
+        """Commit the candidate on its own branch (the review queue merges it later)."""
+        wt = git.Repo(cand.path)
+        wt.git.add(A=True)
+        commit = wt.index.commit(message, author=ACTOR, committer=ACTOR)
+        branch = f"{self.branch}-{cand.name}"
+        self.repo.create_head(branch, commit.hexsha, force=True)
+        return branch
+
+    def discard(self, cand: Candidate) -> None:
+        try:
+            self.repo.git.worktree("remove", "--force", str(cand.path))
+        except git.GitCommandError:
+            shutil.rmtree(cand.path, ignore_errors=True)
+            self.repo.git.worktree("prune")
+
+    def close(self) -> None:
+        for path in sorted(self.worktrees.glob("*")):
+            try:
+                self.repo.git.worktree("remove", "--force", str(path))
+            except git.GitCommandError:
+                shutil.rmtree(path, ignore_errors=True)
+        self.repo.git.worktree("prune")
+
+
+def sessions_dir(target: pathlib.Path | None) -> pathlib.Path:
+    return (target.resolve() if target else pathlib.Path.cwd()) / ".infra-agent" / "workspaces"
+
+
+def list_sessions(target: pathlib.Path | None = None) -> list[dict]:
+    out = []
+    for meta in sorted(sessions_dir(target).glob("*/session.json")):
+        try:
+            info = json.loads(meta.read_text())
+        except json.JSONDecodeError:
+            continue
+        summary = meta.parent / "summary.json"
+        if summary.exists():
+            try:
+                info["summary"] = json.loads(summary.read_text())
+            except json.JSONDecodeError:
+                pass
+        info["dir"] = str(meta.parent)
+        out.append(info)
+    return out
