@@ -220,7 +220,8 @@ class Agent:
         self.limits = limits or Limits()
         self.trajectory = Trajectory(trajectory or workspace.state_dir / "trajectory.jsonl")
         self.jobs = jobs
-        self.cache_dir = workspace.state_dir / "cache"  # content-keyed: shared by baseline and candidates
+        # content-keyed, so shared by the baseline, the candidates and the other sessions of the target
+        self.cache_dir = workspace.state_dir.parent / "cache"
         self.emit = on_event or (lambda kind, data: None)
         self.attempts: list[Attempt] = []
         self.messages: list[dict] = []
@@ -263,6 +264,8 @@ class Agent:
             self.outcome, self.summary_text = "limits", str(e)
         except (Interrupted, KeyboardInterrupt):
             self.outcome, self.summary_text = "interrupted", "stopped by the user"
+        except RuntimeError as exc:  # the backend cannot go on (endpoint down after retries, say)
+            self.outcome, self.summary_text = "error", str(exc)
         self.trajectory.write({"step": self.step, "role": "session", "outcome": self.outcome,
                                "summary": self.summary_text})
         return self.outcome

@@ -287,16 +287,22 @@ app.add_typer(sessions_app, name="sessions")
 
 
 @sessions_app.command("list")
-def sessions_list(target: str = typer.Option(None, "--target")) -> None:
+def sessions_list(target: str = typer.Option(None, "--target"), as_json: bool = typer.Option(False, "--json")) -> None:
     """List sessions (of the bundled target in this directory, or of --target)."""
+    import json
     import pathlib
 
     from rich.table import Table
 
     from infra_agent.workspace import list_sessions
 
+    sessions = list_sessions(pathlib.Path(target) if target else None)
+    if as_json:
+        print(json.dumps(sessions, indent=2, default=str))
+        return
     table = Table("session", "target", "branch", "started", "outcome", "attempts")
-    for s in list_sessions(pathlib.Path(target) if target else None):
+    table.columns[0].no_wrap = True
+    for s in sessions:
         summ = s.get("summary", {})
         table.add_row(s["session"], s["target"], s["branch"], s["started"], summ.get("outcome", "-"),
                       str(len(summ.get("attempts", []))) if summ else "-")

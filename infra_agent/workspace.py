@@ -128,7 +128,9 @@ class GitWorkspace:
 
     def apply(self, cand: Candidate, diff: str) -> None:
         """Apply a unified diff in the candidate; git's own message on failure."""
-        for args in (["apply", "--check", "--whitespace=nowarn", "-"], ["apply", "--whitespace=nowarn", "-"]):
+        # --recount: models miscount hunk lengths; --unidiff-zero: they also send hunks without context
+        flags = ["--recount", "--unidiff-zero", "--whitespace=nowarn"]
+        for args in (["apply", "--check", *flags, "-"], ["apply", *flags, "-"]):
             proc = subprocess.run(["git", "-C", str(cand.path), *args], input=diff, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise ValueError("the diff does not apply: " + (proc.stderr.strip().splitlines() or ["?"])[0])
