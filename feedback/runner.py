@@ -76,6 +76,7 @@ class Runner:
         self.extra_env = dict(extra_env or {})
         self.cache_dir = pathlib.Path(cache_dir) if cache_dir else self.tree / ".infra-agent" / "cache"
         self.env_key = environment_key(emulate)
+        self._live: set[subprocess.Popen] = set()
 
     # --- cache ------------------------------------------------------------------------------
 
@@ -143,15 +144,22 @@ class Runner:
         results: dict[str, ProbeResult] = {}
         with cf.ThreadPoolExecutor(max_workers=self.jobs) as pool:
             futures = {pool.submit(self.run_one, s): s for s in specs}
-            for fut in cf.as_completed(futures):
-                spec = futures[fut]
-                try:
-                    res = fut.result()
-                except Exception as exc:  # noqa: BLE001 - the harness never crashes on a probe
-                    res = ProbeResult(probe=spec.id, status=Status.error, reason=f"harness: {exc}")
-                results[spec.id] = res
-                if on_done:
-                    on_done(res)
+            try:
+                for fut in cf.as_completed(futures):
+                    spec = futures[fut]
+                    try:
+                        res = fut.result()
+                    except Exception as exc:  # noqa: BLE001 - the harness never crashes on a probe
+                        res = ProbeResult(probe=spec.id, status=Status.error, reason=f"harness: {exc}")
+                    results[spec.id] = res
+                    if on_done:
+                        on_done(res)
+            except BaseException:  # Ctrl-C: no probe process outlives the harness
+                for f in futures:
+                    f.cancel()
+                for proc in list(self._live):
+                    self._kill_group(proc)
+                raise
         return [results[s.id] for s in specs]
 
     def run_one(self, spec: ProbeSpec) -> ProbeResult:
@@ -181,19 +189,30 @@ class Runner:
         proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(), shell=shell, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=preexec if limit else None)
+        self._live.add(proc)
         try:
             out, err = proc.communicate(timeout=spec.budget_s)
+            self._live.discard(proc)
             return proc.returncode, _tail(out), _tail(err), time.perf_counter() - t0, False
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                out, err = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - pipes held by an escaped grandchild
-                out, err = b"", b""
-            return None, _tail(out), _tail(err), time.perf_counter() - t0, True
+            self._kill_group(proc)
+        except BaseException:  # Ctrl-C in the harness: the probe's process group dies with it
+            self._kill_group(proc)
+            raise
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - pipes held by an escaped grandchild
+            out, err = b"", b""
+        finally:
+            self._live.discard(proc)
+        return None, _tail(out), _tail(err), time.perf_counter() - t0, True
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     @staticmethod
     def _exit_reason(rc: int) -> str:

@@ -306,7 +306,11 @@ class Agent:
              "function": {"name": action.name, "arguments": json.dumps(action.args)}}]}
         self.messages.append(message)
         self.trajectory.write({"step": self.step, **message})
-        self.emit("action", {"step": self.step, "name": action.name, "args": action.args})
+        lim = self.limits
+        budget = (f"step {self.step}/{lim.max_steps}, {time.monotonic() - self.started:.0f}/{lim.time_limit_s:.0f}s, "
+                  f"{self.usage['prompt_tokens'] + self.usage['completion_tokens']} tokens, "
+                  f"${self.usage['cost_usd']:.2f}")
+        self.emit("action", {"step": self.step, "name": action.name, "args": action.args, "budget": budget})
         observation = self.execute(action)
         self.messages.append({"role": "tool", "tool_call_id": action.call_id or f"call_{self.step}",
                               "content": observation})

@@ -50,7 +50,8 @@ def print_event(console: Console):
             brief = args.get("hypothesis") or args.get("path") or args.get("pattern") or args.get("summary") or ""
             console.print(f"[bold]step {data['step']}[/] {data['name']}"
                           + (f" [cyan]{args.get('playbook_id')}[/]" if args.get("playbook_id") else "")
-                          + (f": {brief[:160]}" if brief else ""), highlight=False)
+                          + (f": {brief[:160]}" if brief else "") + f" [dim]({data.get('budget', '')})[/]",
+                          highlight=False)
         elif kind == "attempt":
             a = data["attempt"]
             style = {"accepted": "green", "held": "yellow"}.get(a.decision, "red")

@@ -307,3 +307,69 @@ def _env_without_keys() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ZAI_API_KEY")}
+
+
+SLOW_PROBE = """
+import os, time
+from feedback.probe import probe
+
+@probe
+def slow(ctx):
+    open(os.path.join(ctx.tree, "..", "..", "..", "..", "probe.pid"), "w").write(str(os.getpid()))
+    time.sleep(60)
+"""
+
+
+def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
+    import signal
+    import time
+
+    root = make_toy(tmp_path / "toy_target")
+    (root / "toy" / "probes.py").write_text(SLOW_PROBE)
+    (root / "infra-agent.yaml").write_text(TOY_MANIFEST.replace('"toy.probes:value"', '"toy.probes:slow"')
+                                           .replace("thresholds: {error: {max: 0.01}}", "budget_s: 120"))
+    git.Repo(root).git.commit("-qam", "slow probe", author="t <t@t>")
+    proc = subprocess.Popen([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(root), "--backend",
+                             "offline"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env_without_keys())
+    pid_file = root / ".infra-agent" / "probe.pid"
+    deadline = time.time() + 60
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert pid_file.exists(), "the probe never started"
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert time.time() - t0 < 15
+    (session,) = list((root / ".infra-agent" / "workspaces").glob("*/session.json"))
+    summary = json.loads((session.parent / "summary.json").read_text())
+    assert summary["outcome"] == "interrupted"
+    assert "interrupted" in (session.parent / "trajectory.jsonl").read_text()
+    probe_pid = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        try:
+            state = pathlib.Path(f"/proc/{probe_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the probe process outlived the session")
+    assert git.Repo(root).active_branch.name == "main" and not git.Repo(root).is_dirty()
+
+
+def test_conversation_trimming_keeps_head_and_recent_pairs(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-trim-0123456789")
+    be = OpenAIBackend(model="m", base_url="http://127.0.0.1:9/v1", context_chars=3000)
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "goal"}]
+    for i in range(40):
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "grep", "arguments": "{}"}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": "x" * 200})
+    kept = be.trim(msgs)
+    assert kept[:2] == msgs[:2] and kept[-1] == msgs[-1]
+    assert "earlier messages trimmed" in kept[2]["content"] and kept[3]["role"] == "assistant"
+    assert len(json.dumps(kept)) < 3600
