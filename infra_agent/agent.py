@@ -117,6 +117,7 @@ class Attempt:
     report: FeedbackReport | None = None
     risk: list[str] = dataclasses.field(default_factory=list)
     diff: str = ""
+    review_id: int | None = None
 
 
 @dataclasses.dataclass
@@ -127,6 +128,7 @@ class AgentState:
     tree: pathlib.Path  # the baseline worktree
     attempts: list[Attempt]
     step: int
+    rejected_playbooks: list[str] = dataclasses.field(default_factory=list)  # by reviewers, earlier sessions
 
 
 class Backend(Protocol):
@@ -222,6 +224,9 @@ class Agent:
         self.jobs = jobs
         # content-keyed, so shared by the baseline, the candidates and the other sessions of the target
         self.cache_dir = workspace.state_dir.parent / "cache"
+        from infra_agent.review import ReviewQueue
+
+        self.queue = ReviewQueue(workspace.state_dir.parent.parent / "review.db")
         self.emit = on_event or (lambda kind, data: None)
         self.attempts: list[Attempt] = []
         self.messages: list[dict] = []
@@ -232,6 +237,7 @@ class Agent:
         self.feedback: FeedbackReport | None = None
         self.initial: FeedbackReport | None = None
         self.outcome = "running"
+        self.rejected_playbooks: list[str] = []
         self.summary_text = ""
 
     # -- running --
@@ -247,10 +253,16 @@ class Agent:
     def run(self) -> str:
         try:
             self.feedback = self.initial = self.judge_baseline()
+            rejected = self.queue.rejections(self.ws.target_label)
+            self.rejected_playbooks = sorted({i.playbook for i in rejected if i.playbook})
+            notes = "".join(f"\n- {i.playbook or 'patch'} ({i.hypothesis[:80]}): rejected by {i.settled_by}: {i.reason}"
+                            for i in rejected[-10:])
             self.messages = [
                 {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": f"Goal: {self.goal}\n\nTarget: {self.ws.target_label}\n"
-                                            f"Feedback on the baseline:\n{render_report(self.feedback)}"},
+                                            + (f"Reviewers rejected earlier patches on this target:{notes}\n"
+                                               if notes else "")
+                                            + f"Feedback on the baseline:\n{render_report(self.feedback)}"},
             ]
             for m in self.messages:
                 self.trajectory.write({"step": 0, **m})
@@ -283,7 +295,8 @@ class Agent:
 
     def state(self) -> AgentState:
         return AgentState(goal=self.goal, messages=self.messages, feedback=self.feedback,
-                          tree=self.ws.baseline().path, attempts=self.attempts, step=self.step)
+                          tree=self.ws.baseline().path, attempts=self.attempts, step=self.step,
+                          rejected_playbooks=self.rejected_playbooks)
 
     def _one_step(self) -> None:
         try:
@@ -366,7 +379,7 @@ class Agent:
             record.verdict = "refused" if str(exc).startswith("refused") else "invalid"
             self.emit("attempt", {"attempt": record})
             return f"patch {record.verdict}: {exc}"
-        assessment = gate.assess(patch, manifest)
+        assessment = gate.assess(patch, manifest, self.ws.baseline().path)
         record.risk = [f.render() for f in assessment.findings] + ([assessment.error] if assessment.error else [])
         cand = self.ws.new_candidate()
         try:
@@ -392,8 +405,13 @@ class Agent:
             record.decision = "held"
             record.branch = self.ws.keep_for_review(cand, f"{hypothesis}\n\nplaybook: {playbook or '-'}")
             self.ws.discard(cand)
+            record.review_id = self.queue.add(
+                target=self.ws.target_label, repo=str(self.ws.root), session=self.ws.session,
+                session_branch=self.ws.branch, candidate_branch=record.branch, hypothesis=hypothesis,
+                playbook=playbook, diff=patch.diff, findings=[f.model_dump() for f in assessment.findings],
+                evidence=evidence(report), validation=[r.probe for r in report.results])
             lines.append(f"decision: held for human review ({', '.join(assessment.categories)}); "
-                         f"candidate branch {record.branch}")
+                         f"review item {record.review_id}, candidate branch {record.branch}")
             lines += [f"  gate: {r}" for r in record.risk[:8]]
         else:
             record.decision = "accepted"
@@ -403,6 +421,21 @@ class Agent:
             lines.append(f"decision: accepted as {record.commit[:10]}; it is the new baseline")
         self.emit("attempt", {"attempt": record})
         return "\n".join(lines)
+
+
+def evidence(report: FeedbackReport) -> list[dict]:
+    """Before/after metrics (with confidence intervals where measured) of a judged candidate."""
+    base = {r.probe: r for r in report.baseline_results}
+    out = []
+    for r in report.results:
+        b = base.get(r.probe)
+        for name, m in r.metrics.items():
+            bm = b.metrics.get(name) if b else None
+            out.append({"probe": r.probe, "metric": name, "unit": m.unit,
+                        "before": bm.value if bm else None, "before_ci": bm.ci if bm else None,
+                        "after": m.value, "after_ci": m.ci, "status_before": b.status.value if b else None,
+                        "status_after": r.status.value})
+    return out
 
 
 def verdict(report: FeedbackReport) -> tuple[str, str]:

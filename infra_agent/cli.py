@@ -221,6 +221,196 @@ def playbooks_show(playbook_id: str = typer.Argument(..., metavar="ID")) -> None
                                  width=100), highlight=False, soft_wrap=True)
 
 
+@app.command("gate")
+def gate_cmd(
+    diff_file: str = typer.Argument(..., metavar="DIFF_FILE", help="a unified diff"),
+    target: str = typer.Option(None, "--target", help="target root (its manifest's risk rules and protected paths; "
+                                                      "default: the bundled target)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Classify a patch's risk: numerics, concurrency, production.
+
+    Exit code 0: clean; 1: held for review; 2: refused (a protected path) or error.
+    """
+    import pathlib
+
+    from feedback.manifest import ManifestError, load_manifest
+    from infra_agent.gate import assess_text
+
+    path = pathlib.Path(diff_file)
+    if not path.is_file():
+        fail(f"no such diff file: {diff_file}")
+    root = _target_root(target)
+    try:
+        manifest = load_manifest(root)
+    except ManifestError as exc:
+        fail(str(exc))
+    result = assess_text(path.read_text(errors="replace"), manifest, root)
+    if as_json:
+        print(result.model_dump_json(indent=2))
+    else:
+        style = {"clean": "green", "held": "yellow"}.get(result.decision, "red")
+        console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if result.held else ""))
+        for f in result.findings:
+            console.print(f"  {f.render()}", highlight=False, soft_wrap=True)
+        if result.refused or result.error:
+            console.print(f"  {result.refused or result.error}", highlight=False, soft_wrap=True)
+    raise typer.Exit({"clean": 0, "held": 1}.get(result.decision, 2))
+
+
+review_app = typer.Typer(help="The review queue: patches held by the risk gate, for a person to settle.",
+                          invoke_without_command=True)
+app.add_typer(review_app, name="review")
+
+
+def _queue(target: str | None):
+    import pathlib
+
+    from infra_agent.review import ReviewQueue
+
+    base = pathlib.Path(target).resolve() if target else pathlib.Path.cwd()
+    return ReviewQueue(base / ".infra-agent" / "review.db")
+
+
+def _render_item(item, full: bool = True) -> None:
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    style = {"numerics": "magenta", "concurrency": "red", "production": "yellow"}
+    cats = " ".join(f"[{style.get(c, 'white')}]{c}[/]" for c in item.categories)
+    console.print(f"[bold]item {item.id}[/] [{item.state}] {cats}  target {item.target}  session {item.session}")
+    console.print(f"hypothesis: {item.hypothesis}", highlight=False, soft_wrap=True)
+    if item.playbook:
+        console.print(f"playbook: {item.playbook}")
+    if item.settled_by:
+        console.print(f"settled by {item.settled_by} at {item.settled_at}: "
+                      f"{item.comment or item.reason or ''}", highlight=False)
+    if item.note:
+        console.print(f"note: {item.note}", highlight=False)
+    if not full:
+        return
+    for f in item.findings:
+        console.print(f"  gate {f['category']}: {f['rule']} at {f['file']}:{f['line']}: {f['text'].strip()[:100]}",
+                      highlight=False, soft_wrap=True)
+    console.print(Syntax(item.diff, "diff", theme="ansi_dark", word_wrap=True))
+    table = Table("probe", "metric", "before", "after", "status")
+    for e in item.evidence:
+        ci = lambda c: f" [{c[0]:.3g}, {c[1]:.3g}]" if c else ""  # noqa: E731
+        before = "-" if e["before"] is None else f"{e['before']:.3g}{ci(e['before_ci'])}"
+        table.add_row(e["probe"], e["metric"], before, f"{e['after']:.3g}{ci(e['after_ci'])}",
+                      f"{e['status_before'] or '-'} -> {e['status_after']}")
+    console.print(table)
+
+
+def _settle(target, item_id: int, decision: str, reviewer: str | None, comment=None, reason=None,
+            as_json=False, jobs: int = 2) -> None:
+    from infra_agent.review import AlreadySettled, UnknownItem, apply_approved, reviewer_name
+
+    q = _queue(target)
+    try:
+        item = q.settle(item_id, decision, reviewer_name(reviewer), comment=comment, reason=reason)
+    except (AlreadySettled, UnknownItem, ValueError) as exc:
+        fail(str(exc).strip("'\""))
+    if decision == "approved":
+        if not as_json:
+            console.print(f"approved item {item_id}; merging into {item.session_branch} and re-validating ...")
+        item = apply_approved(q, item, jobs=jobs)
+    if as_json:
+        print(item.model_dump_json(indent=2))
+    else:
+        _render_item(item, full=False)
+    if decision == "approved" and item.state != "applied":
+        raise typer.Exit(1)
+
+
+@review_app.callback()
+def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target"),
+                reviewer: str = typer.Option(None, "--reviewer")) -> None:
+    """Without a subcommand: the interactive queue (open an item, approve, reject with a reason, or skip)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.prompt import Prompt
+
+    q = _queue(target)
+    while True:
+        pending = q.list(state="pending")
+        if not pending:
+            console.print("[green]no pending items[/]")
+            return
+        for item in pending:
+            _render_item(item, full=False)
+        choice = Prompt.ask("open item (number) or q to quit", default="q")
+        if choice.strip().lower() in ("q", "quit", ""):
+            return
+        if not choice.isdigit() or int(choice) not in {i.id for i in pending}:
+            console.print(f"[red]no pending item {choice}[/]")
+            continue
+        item = q.get(int(choice))
+        _render_item(item)
+        act = Prompt.ask("[a]pprove, [r]eject, [s]kip", choices=["a", "r", "s"], default="s")
+        if act == "a":
+            comment = Prompt.ask("comment (optional)", default="")
+            try:
+                _settle(target, item.id, "approved", reviewer, comment=comment or None)
+            except typer.Exit:
+                pass
+        elif act == "r":
+            reason = ""
+            while not reason.strip():
+                reason = Prompt.ask("reason (the agent's next session reads it)")
+            _settle(target, item.id, "rejected", reviewer, reason=reason)
+
+
+@review_app.command("list")
+def review_list(target: str = typer.Option(None, "--target"), state: str = typer.Option(None, "--state"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """List review items."""
+    items = _queue(target).list(state=state)
+    if as_json:
+        print("[" + ",".join(i.model_dump_json() for i in items) + "]")
+        return
+    from rich.table import Table
+
+    table = Table("id", "state", "risk", "playbook", "hypothesis", "settled by")
+    for i in items:
+        table.add_row(str(i.id), i.state, ", ".join(i.categories), i.playbook or "-", i.hypothesis[:60],
+                      i.settled_by or "-")
+    console.print(table)
+
+
+@review_app.command("show")
+def review_show(item_id: int = typer.Argument(..., metavar="ID"), target: str = typer.Option(None, "--target"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show one item: hypothesis, gate findings, the diff, the evidence."""
+    from infra_agent.review import UnknownItem
+
+    try:
+        item = _queue(target).get(item_id)
+    except UnknownItem as exc:
+        fail(str(exc).strip("'\""))
+    if as_json:
+        print(item.model_dump_json(indent=2))
+    else:
+        _render_item(item)
+
+
+@review_app.command("approve")
+def review_approve(item_id: int = typer.Argument(..., metavar="ID"), comment: str = typer.Option(None, "--comment"),
+                   target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
+                   as_json: bool = typer.Option(False, "--json"), jobs: int = typer.Option(2, "--jobs", "-j")) -> None:
+    """Approve: merge into the session branch, re-run the validation probes, mark applied."""
+    _settle(target, item_id, "approved", reviewer, comment=comment, as_json=as_json, jobs=jobs)
+
+
+@review_app.command("reject")
+def review_reject(item_id: int = typer.Argument(..., metavar="ID"),
+                  reason: str = typer.Option(..., "--reason", help="why (the agent's next session reads it)"),
+                  target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Reject with a reason."""
+    _settle(target, item_id, "rejected", reviewer, reason=reason, as_json=as_json)
+
+
 DEFAULT_GOAL = ("Find and fix what the feedback flags (failing probes, acceptance criteria), then look for speed "
                 "where the microbenchmarks show headroom.")
 

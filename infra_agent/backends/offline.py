@@ -24,8 +24,8 @@ class OfflineBackend:
         self._tried: set[str] = set()
 
     def next_action(self, state: AgentState) -> Action:
-        tried = self._tried | {a.playbook for a in state.attempts if a.playbook}
-        notes = []
+        tried = self._tried | {a.playbook for a in state.attempts if a.playbook} | set(state.rejected_playbooks)
+        notes = [f"{p} was rejected by a reviewer earlier: not proposed again" for p in state.rejected_playbooks]
         for pb in self.library.values():
             if pb.id in tried:
                 continue

@@ -1,0 +1,229 @@
+"""The review queue: patches the gate held, waiting for a person.  Durable: SQLite in WAL mode.
+
+An item is settled once.  The settling UPDATE only matches a pending row inside an IMMEDIATE
+transaction, so two reviewers (two terminals, two processes) approving at once cannot both win:
+the second gets a clear message naming who settled the item and when.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import pathlib
+import sqlite3
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+STATES = ("pending", "approved", "rejected", "applied")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS items (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created TEXT NOT NULL,
+    target TEXT NOT NULL,
+    repo TEXT NOT NULL,
+    session TEXT NOT NULL,
+    session_branch TEXT NOT NULL,
+    candidate_branch TEXT NOT NULL,
+    hypothesis TEXT NOT NULL,
+    playbook TEXT,
+    diff TEXT NOT NULL,
+    findings TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    validation TEXT NOT NULL,
+    experiment TEXT,
+    state TEXT NOT NULL DEFAULT 'pending',
+    settled_by TEXT,
+    settled_at TEXT,
+    comment TEXT,
+    reason TEXT,
+    applied_commit TEXT,
+    note TEXT
+);
+"""
+
+
+class AlreadySettled(Exception):
+    pass
+
+
+class UnknownItem(KeyError):
+    pass
+
+
+class Item(BaseModel):
+    id: int
+    created: str
+    target: str
+    repo: str
+    session: str
+    session_branch: str
+    candidate_branch: str
+    hypothesis: str
+    playbook: str | None = None
+    diff: str
+    findings: list[dict] = Field(default_factory=list)
+    evidence: list[dict] = Field(default_factory=list)
+    validation: list[str] = Field(default_factory=list)
+    experiment: str | None = None
+    state: str = "pending"
+    settled_by: str | None = None
+    settled_at: str | None = None
+    comment: str | None = None
+    reason: str | None = None
+    applied_commit: str | None = None
+    note: str | None = None
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({f.get("category", "?") for f in self.findings})
+
+
+def _now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+class ReviewQueue:
+    def __init__(self, path: str | pathlib.Path):
+        self.path = pathlib.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    @staticmethod
+    def _item(row: sqlite3.Row) -> Item:
+        d = dict(row)
+        for k in ("findings", "evidence", "validation"):
+            d[k] = json.loads(d[k])
+        return Item(**d)
+
+    def add(self, *, target: str, repo: str, session: str, session_branch: str, candidate_branch: str,
+            hypothesis: str, diff: str, findings: list[dict], evidence: list[dict], validation: list[str],
+            playbook: str | None = None, experiment: str | None = None) -> int:
+        with self._connect() as db:
+            cur = db.execute(
+                "INSERT INTO items (created, target, repo, session, session_branch, candidate_branch, hypothesis, "
+                "playbook, diff, findings, evidence, validation, experiment) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (_now(), target, repo, session, session_branch, candidate_branch, hypothesis, playbook, diff,
+                 json.dumps(findings), json.dumps(evidence), json.dumps(validation), experiment))
+            return int(cur.lastrowid)
+
+    def get(self, item_id: int) -> Item:
+        with self._connect() as db:
+            row = db.execute("SELECT * FROM items WHERE id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise UnknownItem(f"no review item {item_id}")
+        return self._item(row)
+
+    def list(self, state: str | None = None, target: str | None = None) -> list[Item]:
+        q, args = "SELECT * FROM items WHERE 1=1", []
+        if state:
+            q, args = q + " AND state = ?", [*args, state]
+        if target:
+            q, args = q + " AND target = ?", [*args, target]
+        with self._connect() as db:
+            return [self._item(r) for r in db.execute(q + " ORDER BY id", args).fetchall()]
+
+    def settle(self, item_id: int, decision: str, reviewer: str, *, comment: str | None = None,
+               reason: str | None = None) -> Item:
+        """Approve or reject a pending item, exactly once."""
+        if decision not in ("approved", "rejected"):
+            raise ValueError(f"decision must be approved or rejected, got {decision!r}")
+        if decision == "rejected" and not (reason and reason.strip()):
+            raise ValueError("a rejection needs a reason (it reaches the agent's next session)")
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            cur = db.execute("UPDATE items SET state = ?, settled_by = ?, settled_at = ?, comment = ?, reason = ? "
+                             "WHERE id = ? AND state = 'pending'",
+                             (decision, reviewer, _now(), comment, reason, item_id))
+            if cur.rowcount == 0:
+                row = db.execute("SELECT * FROM items WHERE id = ?", (item_id,)).fetchone()
+                db.execute("ROLLBACK")
+                if row is None:
+                    raise UnknownItem(f"no review item {item_id}")
+                raise AlreadySettled(f"item {item_id} was already {row['state']} by {row['settled_by']} "
+                                     f"at {row['settled_at']}")
+            db.execute("COMMIT")
+        finally:
+            db.close()
+        return self.get(item_id)
+
+    def update(self, item_id: int, **fields: Any) -> Item:
+        allowed = {"state", "applied_commit", "note", "experiment"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"cannot update {sorted(bad)}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._connect() as db:
+            db.execute(f"UPDATE items SET {sets} WHERE id = ?", (*fields.values(), item_id))  # noqa: S608
+        return self.get(item_id)
+
+    def rejections(self, target: str) -> list[Item]:
+        return [i for i in self.list(state="rejected", target=target)]
+
+
+def reviewer_name(explicit: str | None = None) -> str:
+    if explicit:
+        return explicit
+    try:
+        import git
+
+        name = git.GitConfigParser(read_only=True).get_value("user", "name", "")
+        if name:
+            return str(name)
+    except Exception:  # noqa: BLE001
+        pass
+    import getpass
+
+    return getpass.getuser()
+
+
+def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
+    """Merge an approved candidate into its session branch, re-run its validation probes on the merged
+    tree, and only then advance the branch (state ``applied``).  A failure is reported and the merge
+    is undone: the branch does not move."""
+    import tempfile
+
+    import git
+
+    from feedback.harness import judge
+    from feedback.manifest import load_manifest
+    from infra_agent.workspace import ACTOR
+
+    if item.state != "approved":
+        raise ValueError(f"item {item.id} is {item.state}, not approved")
+    repo = git.Repo(item.repo)
+    old = repo.heads[item.session_branch].commit.hexsha
+    with tempfile.TemporaryDirectory(prefix="infra-agent-merge-") as tmp:
+        wt = pathlib.Path(tmp) / "merge"
+        repo.git.worktree("add", "--detach", str(wt), old)
+        try:
+            w = git.Repo(wt)
+            try:
+                w.git.merge("--no-ff", "--no-edit", item.candidate_branch,
+                            env={"GIT_AUTHOR_NAME": ACTOR.name, "GIT_AUTHOR_EMAIL": ACTOR.email,
+                                 "GIT_COMMITTER_NAME": ACTOR.name, "GIT_COMMITTER_EMAIL": ACTOR.email})
+            except git.GitCommandError as exc:
+                return queue.update(item.id, note=f"merge failed, nothing changed: {str(exc).splitlines()[-1]}")
+            known = {p.id for p in load_manifest(wt).probes}
+            probes = [p for p in item.validation if p in known]
+            if probes:
+                report = judge(wt, probe_ids=probes, run_all=True, jobs=jobs)
+                if not report.passed:
+                    bad = ", ".join(r.probe for r in report.results if not r.ok)
+                    return queue.update(item.id, note=f"validation failed on the merged tree ({bad}); merge undone")
+            merged = w.head.commit.hexsha
+            repo.git.update_ref(f"refs/heads/{item.session_branch}", merged, old)
+            return queue.update(item.id, state="applied", applied_commit=merged,
+                                note=f"merged and validated ({len(probes)} probes)")
+        finally:
+            repo.git.worktree("remove", "--force", str(wt))

@@ -1,0 +1,165 @@
+"""The review queue: durable, settled once across processes, approval merges and re-validates."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import git
+import pytest
+
+from infra_agent.agent import Agent, Limits
+from infra_agent.backends.openai_backend import OpenAIBackend
+from infra_agent.review import AlreadySettled, ReviewQueue, apply_approved
+from infra_agent.workspace import GitWorkspace
+from tests.test_agent import FIX, ScriptedServer, _call, _env_without_keys, make_toy, ok
+
+RISKY_FIX = FIX.replace("+    return 1.0", "+    return 1.0  # within tolerance")
+
+
+def _item(q: ReviewQueue, **kw) -> int:
+    base = dict(target="t", repo="/nowhere", session="s", session_branch="infra-agent/s", candidate_branch="c",
+                hypothesis="h", diff=FIX, findings=[{"category": "numerics", "rule": "r", "file": "f", "line": 1,
+                                                     "text": "x"}], evidence=[], validation=[])
+    return q.add(**{**base, **kw})
+
+
+def test_settled_once_and_the_second_reviewer_is_told_who_and_when(tmp_path):
+    q = ReviewQueue(tmp_path / "review.db")
+    i = _item(q)
+    q.settle(i, "approved", "alice", comment="ok")
+    with pytest.raises(AlreadySettled, match=r"item 1 was already approved by alice at \d{4}-"):
+        q.settle(i, "rejected", "bob", reason="no")
+    with pytest.raises(ValueError, match="needs a reason"):
+        q.settle(_item(q), "rejected", "bob", reason=" ")
+
+
+RACE = textwrap.dedent("""
+    import sys, time
+    from infra_agent.review import ReviewQueue, AlreadySettled
+    q = ReviewQueue(sys.argv[1])
+    while time.time() < float(sys.argv[3]):
+        pass
+    try:
+        q.settle(1, "approved", sys.argv[2])
+        print("WON")
+    except AlreadySettled as e:
+        print("LOST", e)
+""")
+
+
+def test_two_processes_approving_one_item_at_once_exactly_one_wins(tmp_path):
+    db = tmp_path / "review.db"
+    q = ReviewQueue(db)
+    _item(q)
+    start = str(time.time() + 1.5)
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(db), name, start], stdout=subprocess.PIPE, text=True)
+             for name in ("alice", "bob")]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert sorted(o.split()[0] for o in outs) == ["LOST", "WON"], outs
+    winner = "alice" if outs[0] == "WON" else "bob"
+    loser_msg = next(o for o in outs if o.startswith("LOST"))
+    assert f"already approved by {winner} at" in loser_msg
+    assert q.get(1).settled_by == winner
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    from infra_agent.review import ReviewQueue
+    q = ReviewQueue(sys.argv[1])
+    big = "x" * 200_000
+    while True:
+        i = q.add(target="t", repo="r", session="s", session_branch="b", candidate_branch="c", hypothesis="h",
+                  diff=big, findings=[], evidence=[], validation=[])
+        print(i, flush=True)
+""")
+
+
+def test_a_process_killed_while_writing_the_queue_corrupts_and_loses_nothing(tmp_path):
+    db = tmp_path / "review.db"
+    ReviewQueue(db)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(db)], stdout=subprocess.PIPE, text=True)
+    acknowledged = []
+    t0 = time.time()
+    while len(acknowledged) < 30 and time.time() - t0 < 60:
+        acknowledged.append(int(proc.stdout.readline()))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    con.close()
+    q = ReviewQueue(db)
+    ids = {i.id for i in q.list()}
+    assert set(acknowledged) <= ids  # every acknowledged write survived the kill
+    assert all(len(i.diff) == 200_000 for i in q.list())  # and no row is half written
+
+
+def _held_session(tmp_path, monkeypatch):
+    root = make_toy(tmp_path / "toy_target")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-review-0123456789")
+    with ScriptedServer([ok(_call("propose_patch", hypothesis="compute is off by 0.5", diff=RISKY_FIX)),
+                         ok(_call("finish", summary="held"))]) as server:
+        ws = GitWorkspace.external(root, "sess")
+        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "fix it", Limits(max_steps=4))
+        agent.run()
+        ws.close()
+    (attempt,) = agent.attempts
+    assert (attempt.verdict, attempt.decision) == ("better", "held") and attempt.review_id == 1
+    return root, ws
+
+
+def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
+    root, ws = _held_session(tmp_path, monkeypatch)
+    repo = git.Repo(root)
+    before = repo.heads[ws.branch].commit.hexsha
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "approve", "1", "--target", str(root),
+                          "--reviewer", "carol", "--comment", "numerically fine", "--json"],
+                         capture_output=True, text=True, env=_env_without_keys())
+    assert out.returncode == 0, out.stderr
+    item = json.loads(out.stdout)
+    assert item["state"] == "applied" and item["settled_by"] == "carol"
+    head = repo.heads[ws.branch].commit
+    assert head.hexsha == item["applied_commit"] != before and len(head.parents) == 2
+    assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return 1.0  # within tolerance"
+    assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
+    again = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
+                            "--reason", "late"], capture_output=True, text=True, env=_env_without_keys())
+    assert again.returncode == 2 and "item 1 was already applied by carol at" in again.stderr
+
+
+def test_a_failing_validation_undoes_the_merge(tmp_path, monkeypatch):
+    root, ws = _held_session(tmp_path, monkeypatch)
+    repo = git.Repo(root)
+    q = ReviewQueue(root / ".infra-agent" / "review.db")
+    item = q.get(1)
+    # sabotage the candidate branch: its tip now breaks the probe
+    wt = tmp_path / "wt"
+    repo.git.worktree("add", str(wt), item.candidate_branch)
+    (wt / "toy" / "core.py").write_text("def compute():\n    return 7.0  # tolerance\n")
+    git.Repo(wt).git.commit("-qam", "break", author="t <t@t>")
+    repo.git.worktree("remove", "--force", str(wt))
+    before = repo.heads[ws.branch].commit.hexsha
+    item = apply_approved(q, q.settle(1, "approved", "dave"))
+    assert item.state == "approved" and "validation failed" in item.note and "merge undone" in item.note
+    assert repo.heads[ws.branch].commit.hexsha == before
+
+
+def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
+    root, ws = _held_session(tmp_path, monkeypatch)
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
+                          "--reason", "changes the tolerance semantics", "--reviewer", "erin"],
+                         capture_output=True, text=True, env=_env_without_keys())
+    assert out.returncode == 0, out.stderr
+    with ScriptedServer([ok(_call("finish", summary="ok"))]) as server:
+        ws2 = GitWorkspace.external(root, "next")
+        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws2, "again", Limits(max_steps=2))
+        agent.run()
+        ws2.close()
+        first_user = server.requests[0]["body"]["messages"][1]["content"]
+    assert "rejected by erin: changes the tolerance semantics" in first_user
