@@ -118,6 +118,7 @@ class Attempt:
     risk: list[str] = dataclasses.field(default_factory=list)
     diff: str = ""
     review_id: int | None = None
+    record: pathlib.Path | None = None
 
 
 @dataclasses.dataclass
@@ -227,6 +228,7 @@ class Agent:
         from infra_agent.review import ReviewQueue
 
         self.queue = ReviewQueue(workspace.state_dir.parent.parent / "review.db")
+        self.experiments_dir = workspace.state_dir.parent.parent / "experiments"
         self.emit = on_event or (lambda kind, data: None)
         self.attempts: list[Attempt] = []
         self.messages: list[dict] = []
@@ -368,12 +370,45 @@ class Agent:
         raise FormatError(f"unknown tool {action.name!r}")  # pragma: no cover - validate() catches it
 
     def propose_patch(self, hypothesis: str, diff: str, playbook: str | None) -> str:
+        base_commit = self.ws.head()
+        try:
+            return self._propose(hypothesis, diff, playbook)
+        finally:
+            self._record(self.attempts[-1], base_commit)
+
+    def _record(self, a: Attempt, base_commit: str) -> None:
+        """One experiment record per attempt, failures included; written atomically."""
+        from infra_agent.experiments import Base, Decision, ExperimentRecord, ProbeRecord, new_id, now, write_record
+
+        try:
+            manifest = self.ws.manifest()
+            kinds = {p.id: p.kind for p in manifest.probes}
+            rec = ExperimentRecord(
+                id=new_id(self.ws.session, a.step), time=now(), target=self.ws.target_label,
+                scenario=getattr(self.ws, "scenario", None), base=Base(**self.ws.base_spec(base_commit)),
+                hypothesis=a.hypothesis, playbook=a.playbook, diff=a.diff, risk=a.risk,
+                probes=[ProbeRecord(id=r.probe, kind=kinds.get(r.probe, "?"),
+                                    result=r.model_copy(update={"stdout": "", "stderr": r.stderr[-1000:]}))
+                        for r in (a.report.results if a.report else [])],
+                acceptance=[c.model_dump() for c in (a.report.acceptance if a.report else [])],
+                verdict=a.verdict,
+                decision=Decision(status={"accepted": "accepted", "held": "held", "discarded": "discarded"}.get(
+                    a.decision, "refused" if a.verdict == "refused" else "failed"), reason=a.reason,
+                    review_item=a.review_id, commit=a.commit, branch=a.branch),
+                backend=self.backend.name, model=getattr(self.backend, "model", None),
+                trajectory=str(self.trajectory.path))
+            a.record = write_record(self.experiments_dir, rec)
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be written is reported, not fatal
+            self.emit("warning", {"message": f"experiment record not written: {exc}"})
+
+    def _propose(self, hypothesis: str, diff: str, playbook: str | None) -> str:
         manifest = self.ws.manifest()
         record = Attempt(step=self.step, hypothesis=hypothesis, playbook=playbook, verdict="invalid",
                          decision="refused", reason="", diff=diff)
         self.attempts.append(record)
         try:
             patch = Patch.parse(diff, manifest)
+            record.diff = patch.diff
         except PatchError as exc:
             record.reason = str(exc)
             record.verdict = "refused" if str(exc).startswith("refused") else "invalid"

@@ -411,6 +411,55 @@ def review_reject(item_id: int = typer.Argument(..., metavar="ID"),
     _settle(target, item_id, "rejected", reviewer, reason=reason, as_json=as_json)
 
 
+@app.command("replay")
+def replay_cmd(
+    paths: list[str] = typer.Argument(None, help="records or folders of records (default: experiments/)"),
+    junit: str = typer.Option(None, "--junit", help="write JUnit XML here"),
+    as_json: bool = typer.Option(False, "--json"),
+    jobs: int = typer.Option(2, "--jobs", "-j", min=1),
+) -> None:
+    """Re-check experiment records: rebuild the base, apply the diff, re-run the recorded probes.
+
+    Each record ends pass, regressed or stale, with its reason. Exit code 1 on any regression.
+    """
+    import json
+    import pathlib
+
+    from infra_agent.experiments import junit_xml, replay
+
+    files: list[pathlib.Path] = []
+    for p in paths or ["experiments"]:
+        path = pathlib.Path(p)
+        if path.is_dir():
+            files += sorted(path.glob("*.yaml"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            fail(f"no such record or folder: {p}")
+    if not files:
+        fail("no experiment records found")
+    results = []
+    for f in files:
+        if not as_json:
+            console.print(f"[dim]replaying {f} ...[/]")
+        r = replay(f, jobs=jobs)
+        results.append(r)
+        if not as_json:
+            style = {"pass": "green", "regressed": "red", "stale": "yellow"}[r.status]
+            console.print(f"[{style}]{r.status}[/] {r.record}: {r.reason} [dim]({r.duration_s:.1f}s)[/]",
+                          highlight=False, soft_wrap=True)
+            for d in r.details:
+                console.print(f"    {d}", highlight=False, soft_wrap=True)
+    if junit:
+        pathlib.Path(junit).write_text(junit_xml(results))
+    if as_json:
+        print(json.dumps([r.model_dump() for r in results], indent=2))
+    else:
+        counts = {s: sum(r.status == s for r in results) for s in ("pass", "regressed", "stale")}
+        console.print(f"replay: {counts['pass']} pass, {counts['regressed']} regressed, {counts['stale']} stale")
+    raise typer.Exit(1 if any(r.status == "regressed" for r in results) else 0)
+
+
 DEFAULT_GOAL = ("Find and fix what the feedback flags (failing probes, acceptance criteria), then look for speed "
                 "where the microbenchmarks show headroom.")
 
@@ -419,6 +468,8 @@ DEFAULT_GOAL = ("Find and fix what the feedback flags (failing probes, acceptanc
 def run(
     target: str = typer.Option(None, "--target", help="a git repository with an infra-agent.yaml (default: bundled)"),
     goal: str = typer.Option(DEFAULT_GOAL, "--goal", help="the task given to the agent"),
+    scenario: str = typer.Option(None, "--scenario", help="bundled target only: start from a scenario "
+                                                          "(target_stack/scenarios/NAME.patch), e.g. cp-tf32"),
     backend: str = typer.Option(None, "--backend", help="offline | openai | replay (default: openai when an API key "
                                                         "is set, else offline)"),
     model: str = typer.Option(None, "--model", help="model name for the openai backend"),
@@ -447,8 +498,10 @@ def run(
         fail(f"--backend must be offline, openai or replay, got {backend!r}")
     session = new_session_id()
     try:
+        if target and scenario:
+            fail("--scenario applies to the bundled target; an external target carries its own history")
         ws = (GitWorkspace.external(pathlib.Path(target), session) if target
-              else GitWorkspace.bundled(session))
+              else GitWorkspace.bundled(session, scenario=scenario))
         be = make_backend(backend, ws, model=model, base_url=base_url, trajectory=trajectory)
     except ValueError as exc:
         fail(str(exc))

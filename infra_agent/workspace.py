@@ -51,11 +51,13 @@ class GitWorkspace:
             self.repo.create_head(self.branch, self.repo.head.commit)
         self._baseline: Candidate | None = None
         self._n = 0
+        self.scenario: str | None = None
 
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def bundled(cls, session: str, base: pathlib.Path | None = None) -> GitWorkspace:
+    def bundled(cls, session: str, base: pathlib.Path | None = None, scenario: str | None = None) -> GitWorkspace:
+        """A scratch repository of the bundled target; a scenario's patch is committed on top."""
         state = (base or pathlib.Path.cwd() / ".infra-agent" / "workspaces") / session
         repo_dir = state / "repo"
         if not (repo_dir / ".git").exists():
@@ -64,9 +66,27 @@ class GitWorkspace:
             repo = git.Repo.init(repo_dir, initial_branch="main")
             repo.git.add(A=True)
             repo.index.commit("target_stack as bundled with infra-agent", author=ACTOR, committer=ACTOR)
+            if scenario:
+                patch = repo_dir / "target_stack" / "scenarios" / f"{scenario}.patch"
+                if not patch.is_file():
+                    known = sorted(p.stem for p in patch.parent.glob("*.patch"))
+                    shutil.rmtree(state, ignore_errors=True)
+                    raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(known)}")
+                repo.git.apply("--recount", "--whitespace=nowarn", str(patch))
+                repo.git.add(A=True)
+                repo.index.commit(f"scenario {scenario}", author=ACTOR, committer=ACTOR)
         ws = cls(repo_dir, session, state, "bundled:target_stack")
+        ws.scenario = scenario
         ws._write_meta()
         return ws
+
+    def base_spec(self, commit: str) -> dict:
+        """How to rebuild ``commit`` elsewhere (an experiment record's base)."""
+        if self.target_label.startswith("bundled:"):
+            root = self.repo.git.rev_list("--max-parents=0", commit).splitlines()[0]
+            patch = self.repo.git.diff(root, commit)
+            return {"kind": "bundled", "base_patch": patch + "\n" if patch else "", "scenario": self.scenario}
+        return {"kind": "git", "repo": str(self.root), "commit": commit}
 
     @classmethod
     def external(cls, target: pathlib.Path, session: str) -> GitWorkspace:
@@ -136,7 +156,8 @@ class GitWorkspace:
                 raise ValueError("the diff does not apply: " + (proc.stderr.strip().splitlines() or ["?"])[0])
 
     def diff(self, cand: Candidate) -> str:
-        return git.Repo(cand.path).git.diff(cand.base)
+        out = git.Repo(cand.path).git.diff(cand.base)
+        return out + "\n" if out else ""  # GitPython strips the final newline a patch needs
 
     def accept(self, cand: Candidate, message: str) -> str:
         """Commit the candidate and advance the session branch to it; returns the commit."""

@@ -1,0 +1,257 @@
+"""Experiment records: one YAML file per attempt, written atomically; and their replay.
+
+A record says how to rebuild the base tree, what was changed (the diff), which probes judged it
+with what result, and what was decided.  ``infra-agent replay`` rebuilds the base, applies the
+diff, re-runs the recorded probes and compares: correctness verdicts must match, performance
+verdicts must agree within noise, acceptance criteria must still hold.  A record ends ``pass``,
+``regressed`` or ``stale`` (the base cannot be rebuilt, or the diff no longer applies), each with
+its reason.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import pathlib
+import subprocess
+import tempfile
+from typing import Literal
+from xml.sax.saxutils import escape
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from feedback.models import ProbeResult, Status
+
+SCHEMA_VERSION = 1
+PERF_KINDS = ("microbench", "e2e", "trace")
+
+
+class Base(BaseModel):
+    """How to rebuild the base tree."""
+
+    kind: Literal["bundled", "git"]
+    # bundled: the bundled target_stack as installed today, with base_patch applied (a scenario)
+    base_patch: str = ""
+    scenario: str | None = None
+    # git: an exported commit of a repository
+    repo: str | None = None
+    commit: str | None = None
+
+
+class Decision(BaseModel):
+    status: Literal["accepted", "held", "approved", "rejected", "discarded", "refused", "failed"]
+    by: str | None = None
+    reason: str = ""
+    review_item: int | None = None
+    commit: str | None = None
+    branch: str | None = None
+
+
+class ProbeRecord(BaseModel):
+    id: str
+    kind: str
+    result: ProbeResult
+
+
+class ExperimentRecord(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    id: str
+    time: str
+    target: str
+    scenario: str | None = None
+    base: Base
+    hypothesis: str
+    playbook: str | None = None
+    diff: str
+    risk: list[str] = Field(default_factory=list)
+    probes: list[ProbeRecord] = Field(default_factory=list)
+    acceptance: list[dict] = Field(default_factory=list)
+    verdict: str
+    decision: Decision
+    backend: str
+    model: str | None = None
+    trajectory: str | None = None
+
+
+class RecordError(Exception):
+    pass
+
+
+def _str_presenter(dumper, data):
+    if "\n" in data:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data)
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(str, _str_presenter)
+
+
+def write_record(directory: str | pathlib.Path, record: ExperimentRecord) -> pathlib.Path:
+    """Write atomically: a killed process leaves the old file or the new one, never half of one."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{record.id}.yaml"
+    text = yaml.dump(record.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False, width=110,
+                     allow_unicode=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_record(path: str | pathlib.Path) -> ExperimentRecord:
+    path = pathlib.Path(path)
+    try:
+        return ExperimentRecord.model_validate(yaml.safe_load(path.read_text()))
+    except (yaml.YAMLError, ValidationError, TypeError) as exc:
+        raise RecordError(f"{path}: not a valid experiment record: {str(exc).splitlines()[0]}") from exc
+
+
+def new_id(session: str, step: int) -> str:
+    return f"exp-{session}-{step:03d}"
+
+
+def now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+# --- replay ---------------------------------------------------------------------------------------
+
+
+class ReplayResult(BaseModel):
+    record: str
+    path: str
+    status: Literal["pass", "regressed", "stale"]
+    reason: str
+    duration_s: float = 0.0
+    details: list[str] = Field(default_factory=list)
+
+
+def _git_apply(tree: pathlib.Path, diff: str, what: str) -> None:
+    if not diff.strip():
+        return
+    proc = subprocess.run(["git", "apply", "--recount", "--unidiff-zero", "--whitespace=nowarn", "-"], cwd=tree,
+                          input=diff, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RecordError(f"the {what} no longer applies: " + (proc.stderr.strip().splitlines() or ["?"])[0])
+
+
+def rebuild_base(base: Base, dest: pathlib.Path) -> pathlib.Path:
+    if base.kind == "bundled":
+        from feedback.targets import materialize_bundled
+
+        tree = materialize_bundled(dest)
+        _git_apply(tree, base.base_patch, "base patch")
+        return tree
+    from feedback.targets import export_revision
+
+    if not base.repo or not pathlib.Path(base.repo).exists():
+        raise RecordError(f"the base repository {base.repo} is gone")
+    try:
+        return export_revision(base.repo, base.commit or "HEAD", dest)
+    except Exception as exc:  # noqa: BLE001 - any failure to rebuild makes the record stale
+        raise RecordError(f"cannot rebuild the base {base.repo}@{base.commit}: {exc}") from exc
+
+
+def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
+    import time
+
+    from feedback.harness import judge
+    from feedback.manifest import load_manifest
+
+    t0 = time.perf_counter()
+    path = pathlib.Path(path)
+    try:
+        rec = load_record(path)
+    except RecordError as exc:
+        return ReplayResult(record=path.stem, path=str(path), status="stale", reason=str(exc))
+    with tempfile.TemporaryDirectory(prefix="infra-agent-replay-") as tmp:
+        try:
+            tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree")
+            _git_apply(tree, rec.diff, "diff")
+            manifest = load_manifest(tree)
+        except Exception as exc:  # noqa: BLE001 - RecordError, ManifestError, OSError: the record is stale
+            return ReplayResult(record=rec.id, path=str(path), status="stale", reason=str(exc),
+                                duration_s=time.perf_counter() - t0)
+        known = {p.id for p in manifest.probes}
+        missing = [p.id for p in rec.probes if p.id not in known]
+        if missing:
+            return ReplayResult(record=rec.id, path=str(path), status="stale",
+                                reason=f"the manifest no longer has probe(s) {', '.join(missing)}",
+                                duration_s=time.perf_counter() - t0)
+        ids = [p.id for p in rec.probes]
+        report = judge(tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False) if ids else None
+    details, regressed = [], []
+    now_by_id = {r.probe: r for r in (report.results if report else [])}
+    for p in rec.probes:
+        then, cur = p.result, now_by_id[p.id]
+        line = f"{p.id}: recorded {then.status.value}, now {cur.status.value}"
+        if p.kind in PERF_KINDS:
+            same_env = then.environment.key() == cur.environment.key()
+            if not same_env or Status.skipped in (then.status, cur.status):
+                details.append(line + " (performance: not comparable here, skipped)")
+                continue
+            worse = _perf_disagrees(then, cur)
+            if worse:
+                regressed.append(f"{p.id}: {worse}")
+            details.append(line + (f"; {worse}" if worse else "; within noise"))
+            continue
+        if then.status != cur.status:
+            regressed.append(f"{p.id} was {then.status.value}, now {cur.status.value}"
+                             + (f" ({cur.reason})" if cur.reason else "")
+                             + (f": {cur.findings[0].message}" if cur.findings else ""))
+        details.append(line)
+    if report:
+        for a in report.acceptance:
+            if a.holds is False:
+                regressed.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
+    status = "regressed" if regressed else "pass"
+    reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
+    return ReplayResult(record=rec.id, path=str(path), status=status, reason=reason, details=details,
+                        duration_s=time.perf_counter() - t0)
+
+
+def _perf_disagrees(then: ProbeResult, now: ProbeResult, tolerance: float = 0.25) -> str | None:
+    """A performance metric that moved the wrong way beyond its CI (or beyond ``tolerance`` without one)."""
+    for name, m in then.metrics.items():
+        cur = now.metrics.get(name)
+        if cur is None or m.better not in ("lower", "higher") or m.value == 0:
+            continue
+        if m.ci and cur.ci:
+            worse = cur.ci[0] > m.ci[1] if m.better == "lower" else cur.ci[1] < m.ci[0]
+        else:
+            ratio = cur.value / m.value
+            worse = ratio > 1 + tolerance if m.better == "lower" else ratio < 1 - tolerance
+        if worse:
+            return f"{name} {m.value:.3g} -> {cur.value:.3g} (worse beyond noise)"
+    return None
+
+
+def junit_xml(results: list[ReplayResult]) -> str:
+    fails = sum(r.status == "regressed" for r in results)
+    stale = sum(r.status == "stale" for r in results)
+    out = [f'<?xml version="1.0" encoding="UTF-8"?>',
+           f'<testsuite name="infra-agent-replay" tests="{len(results)}" failures="{fails}" errors="{stale}" '
+           f'time="{sum(r.duration_s for r in results):.2f}">']
+    for r in results:
+        out.append(f'  <testcase classname="experiments" name="{escape(r.record)}" time="{r.duration_s:.2f}">')
+        if r.status == "regressed":
+            out.append(f'    <failure message="{escape(r.reason, {chr(34): "&quot;"})}">'
+                       f'{escape(chr(10).join(r.details))}</failure>')
+        elif r.status == "stale":
+            out.append(f'    <error message="{escape(r.reason, {chr(34): "&quot;"})}"/>')
+        out.append("  </testcase>")
+    out.append("</testsuite>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,113 @@
+"""Experiment records (atomic, complete) and their replay: pass, a real regression, stale."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from feedback.targets import bundled_package_dir
+from infra_agent.experiments import RecordError, junit_xml, load_record, replay
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+COMMITTED = sorted((REPO / "experiments").glob("*.yaml"))
+
+
+def test_the_committed_records_are_valid_and_real():
+    assert COMMITTED, "at least one real record is committed"
+    for path in COMMITTED:
+        rec = load_record(path)
+        assert rec.backend == "offline" and rec.scenario == "cp-tf32" and rec.base.kind == "bundled"
+        assert rec.playbook == "tf32x3-fp32-dot-chains" and rec.verdict == "better"
+        assert rec.decision.status == "held" and any(r.startswith("numerics") for r in rec.risk)
+        assert {p.id for p in rec.probes} >= {"kda.static.dot_precision", "kda.cp.merge"}
+
+
+def _modified_bundle(tmp_path: pathlib.Path, old: str, new: str, file: str = "ops/kda/cp.py") -> pathlib.Path:
+    """A copy of the target_stack package with one edit, importable ahead of the installed one."""
+    root = tmp_path / "bundle"
+    shutil.copytree(bundled_package_dir(), root / "target_stack",
+                    ignore=shutil.ignore_patterns("__pycache__", ".infra-agent"))
+    path = root / "target_stack" / file
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return root
+
+
+def _replay_with(bundle: pathlib.Path | None, record: pathlib.Path, junit: pathlib.Path):
+    env = dict(os.environ)
+    if bundle is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(bundle), str(REPO)])
+    return subprocess.run([sys.executable, "-m", "infra_agent.cli", "replay", str(record), "--junit", str(junit)],
+                          capture_output=True, text=True, env=env, cwd=bundle or REPO)
+
+
+def test_replay_passes_on_this_tree(tmp_path):
+    result = replay(COMMITTED[0])
+    assert result.status == "pass", result.reason
+
+
+def test_replay_catches_the_fix_reverted_in_the_tree(tmp_path):
+    # the host side of the fix: merge precision resolved by policy; reverted here to a hard-coded tf32
+    bundle = _modified_bundle(tmp_path, 'precision = resolve_dot_precision(merge_precision, q.device, "merge_precision")',
+                              'precision = "tf32"')
+    out = _replay_with(bundle, COMMITTED[0], tmp_path / "j.xml")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "regressed" in out.stdout and "kda.cp.merge was pass, now fail" in out.stdout
+    xml = (tmp_path / "j.xml").read_text()
+    assert 'failures="1"' in xml and "<failure" in xml
+
+
+def test_replay_reports_a_record_that_no_longer_applies_as_stale(tmp_path):
+    bundle = _modified_bundle(tmp_path, "b_hl = tl.load(h_local", "b_local = tl.load(h_local")
+    out = _replay_with(bundle, COMMITTED[0], tmp_path / "j.xml")
+    assert out.returncode == 0, out.stdout + out.stderr  # stale is not a regression ...
+    assert "stale" in out.stdout and "no longer applies" in out.stdout and "pass exp-" not in out.stdout
+    assert "<error" in (tmp_path / "j.xml").read_text()  # ... but never reported as passed
+
+
+def test_garbage_records_are_stale_with_a_reason(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("id: [unclosed\n")
+    with pytest.raises(RecordError, match="not a valid experiment record"):
+        load_record(bad)
+    r = replay(bad)
+    assert r.status == "stale" and "not a valid experiment record" in r.reason
+    assert "<error" in junit_xml([r])
+
+
+WRITER = textwrap.dedent("""
+    import sys, yaml
+    from infra_agent.experiments import load_record, write_record
+    rec = load_record(sys.argv[1])
+    i = 0
+    while True:
+        rec = rec.model_copy(update={"id": f"exp-k-{i % 3}", "hypothesis": "h" * 300_000 + str(i)})
+        write_record(sys.argv[2], rec)
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def test_a_process_killed_while_writing_records_leaves_only_complete_ones(tmp_path):
+    out_dir = tmp_path / "exp"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(COMMITTED[0]), str(out_dir)],
+                            stdout=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while int(proc.stdout.readline() or -1) < 12 and time.time() - t0 < 60:
+        pass
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    records = sorted(out_dir.glob("*.yaml"))
+    assert len(records) == 3
+    for path in records:
+        rec = load_record(path)  # complete and valid, never half written
+        assert len(rec.hypothesis) > 300_000
