@@ -13,6 +13,7 @@ from feedback.manifest import Criterion, Manifest, ProbeSpec
 from feedback.models import CriterionResult, FeedbackReport, MetricDelta, ProbeComparison, ProbeResult, Status
 
 REL_NOISE = 0.10  # metric changes smaller than this (without CIs) are "unchanged"
+JUDGED_BY_STATUS = ("static", "correctness", "trace", "events")
 
 _STATUS_STYLE = {Status.passed: "green", Status.failed: "red", Status.error: "red", Status.timeout: "red",
                  Status.skipped: "yellow"}
@@ -64,6 +65,10 @@ def compare(manifest: Manifest, candidate: list[ProbeResult], baseline: list[Pro
         names = list(r.metrics) + [n for n in (b.metrics if b else {}) if n not in r.metrics]
         deltas = [_delta(n, b.metrics.get(n) if b else None, r.metrics.get(n)) for n in names] if b else [
             MetricDelta(name=n, baseline=None, candidate=m.value, unit=m.unit) for n, m in r.metrics.items()]
+        if spec.kind in JUDGED_BY_STATUS:
+            # errors measured on fresh random inputs move from run to run: the probe's status and its
+            # thresholds carry the verdict, the numbers are shown, not judged
+            deltas = [d.model_copy(update={"verdict": "n/a"}) for d in deltas]
         out.append(ProbeComparison(probe=r.probe, kind=spec.kind, baseline=b.status if b else None,
                                    candidate=r.status, deltas=deltas, localisation=localise(spec, r)))
     return out

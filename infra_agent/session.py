@@ -78,7 +78,8 @@ def summarise(agent: Agent) -> dict:
         if a.report:
             deltas = [f"{c.probe}.{d.name}: {d.baseline:.3g} -> {d.candidate:.3g}"
                       for c in a.report.comparisons for d in c.deltas
-                      if d.baseline is not None and d.candidate is not None and d.verdict in ("improved", "regressed")]
+                      if d.baseline is not None and d.candidate is not None
+                      and (d.verdict in ("improved", "regressed") or c.baseline != c.candidate)]
         attempts.append({"step": a.step, "playbook": a.playbook, "hypothesis": a.hypothesis, "verdict": a.verdict,
                          "decision": a.decision, "reason": a.reason, "commit": a.commit, "branch": a.branch,
                          "risk": a.risk, "deltas": deltas})
