@@ -485,6 +485,7 @@ def run(
     Exit code 0: the session finished with no failing probe left unaddressed (fixed, or held for
     review); 1: probes still fail; 2: usage error; 130: interrupted (everything so far is kept).
     """
+    import json
     import os
     import pathlib
 
@@ -515,9 +516,10 @@ def run(
     finally:
         ws.close()
     summary = summarise(agent)
-    (ws.state_dir / "summary.json").write_text(__import__("json").dumps(summary, indent=2, default=str))
+    text = json.dumps(summary, indent=2, default=str)
+    (ws.state_dir / "summary.json").write_text(text)
     if as_json:
-        print(__import__("json").dumps(summary, indent=2, default=str))
+        print(text)
     else:
         from infra_agent.session import render_summary
 
