@@ -440,11 +440,14 @@ class Agent:
             record.decision = "held"
             record.branch = self.ws.keep_for_review(cand, f"{hypothesis}\n\nplaybook: {playbook or '-'}")
             self.ws.discard(cand)
+            from infra_agent.experiments import new_id
+
             record.review_id = self.queue.add(
                 target=self.ws.target_label, repo=str(self.ws.root), session=self.ws.session,
                 session_branch=self.ws.branch, candidate_branch=record.branch, hypothesis=hypothesis,
                 playbook=playbook, diff=patch.diff, findings=[f.model_dump() for f in assessment.findings],
-                evidence=evidence(report), validation=[r.probe for r in report.results])
+                evidence=evidence(report), validation=[r.probe for r in report.results],
+                experiment=str(self.experiments_dir / f"{new_id(self.ws.session, record.step)}.yaml"))
             lines.append(f"decision: held for human review ({', '.join(assessment.categories)}); "
                          f"review item {record.review_id}, candidate branch {record.branch}")
             lines += [f"  gate: {r}" for r in record.risk[:8]]

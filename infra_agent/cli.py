@@ -315,6 +315,17 @@ def _settle(target, item_id: int, decision: str, reviewer: str | None, comment=N
         if not as_json:
             console.print(f"approved item {item_id}; merging into {item.session_branch} and re-validating ...")
         item = apply_approved(q, item, jobs=jobs)
+    if item.experiment:
+        import pathlib
+
+        from infra_agent.experiments import RecordError, settle_record
+
+        try:
+            settle_record(pathlib.Path(item.experiment), decision, item.settled_by,
+                          (item.comment or "") if decision == "approved" else (item.reason or ""),
+                          commit=item.applied_commit)
+        except (RecordError, OSError) as exc:
+            err_console.print(f"[yellow]warning:[/] the experiment record was not updated: {exc}", soft_wrap=True)
     if as_json:
         print(item.model_dump_json(indent=2))
     else:

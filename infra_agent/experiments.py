@@ -111,6 +111,15 @@ def write_record(directory: str | pathlib.Path, record: ExperimentRecord) -> pat
     return path
 
 
+def settle_record(path: str | pathlib.Path, status: str, by: str, reason: str, commit: str | None = None) -> None:
+    """A reviewer's decision reaches the attempt's record: approved by / rejected because."""
+    path = pathlib.Path(path)
+    rec = load_record(path)
+    decision = rec.decision.model_copy(update={"status": status, "by": by, "reason": reason,
+                                               "commit": commit or rec.decision.commit})
+    write_record(path.parent, rec.model_copy(update={"decision": decision}))
+
+
 def load_record(path: str | pathlib.Path) -> ExperimentRecord:
     path = pathlib.Path(path)
     try:

@@ -38,13 +38,9 @@ def print_event(console: Console):
             files = f" ({', '.join(data['files'])})" if data.get("files") else ""
             console.print(f"[dim]judging {what}{files} ...[/]")
         elif kind == "feedback":
-            r = data["report"]
-            bad = [x.probe for x in r.results if not x.ok]
-            console.print(f"feedback: {len(r.results)} probes, " +
-                          (f"[red]{len(bad)} failing[/]: {', '.join(bad)}" if bad else "[green]all pass[/]") +
-                          f" [dim]({r.duration_s:.1f}s)[/]")
-            for line in r.localisations()[:6]:
-                console.print(f"  [red]x[/] {line}", highlight=False, soft_wrap=True)
+            from feedback.report import render
+
+            render(data["report"], console)  # the feedback table, localisation lines, acceptance
         elif kind == "action":
             args = data["args"]
             brief = args.get("hypothesis") or args.get("path") or args.get("pattern") or args.get("summary") or ""

@@ -128,6 +128,11 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
     assert head.hexsha == item["applied_commit"] != before and len(head.parents) == 2
     assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return 1.0  # within tolerance"
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
+    from infra_agent.experiments import load_record
+
+    rec = load_record(item["experiment"])
+    assert (rec.decision.status, rec.decision.by, rec.decision.reason) == ("approved", "carol", "numerically fine")
+    assert rec.decision.commit == item["applied_commit"] and rec.verdict == "better"
     again = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
                             "--reason", "late"], capture_output=True, text=True, env=_env_without_keys())
     assert again.returncode == 2 and "item 1 was already applied by carol at" in again.stderr
@@ -156,6 +161,11 @@ def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
                           "--reason", "changes the tolerance semantics", "--reviewer", "erin"],
                          capture_output=True, text=True, env=_env_without_keys())
     assert out.returncode == 0, out.stderr
+    from infra_agent.experiments import load_record
+
+    rec = load_record(ReviewQueue(root / ".infra-agent" / "review.db").get(1).experiment)
+    assert (rec.decision.status, rec.decision.by, rec.decision.reason) == ("rejected", "erin",
+                                                                           "changes the tolerance semantics")
     with ScriptedServer([ok(_call("finish", summary="ok"))]) as server:
         ws2 = GitWorkspace.external(root, "next")
         agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws2, "again", Limits(max_steps=2))
