@@ -1,0 +1,131 @@
+"""target_stack model layers with plain torch reference paths: RMSNorm, SwiGLU MLP, MoE, sparse attention.
+
+Each layer's ``forward`` is the serving path; ``reference`` (or a ``*_reference`` function) is the
+plain, obviously-correct version that tests and the target's correctness probes compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        xd = x.double()
+        return (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + self.eps) * self.weight.double()).to(x.dtype)
+
+
+class SwiGLU(torch.nn.Module):
+    """The dense MLP (first layer) and each expert: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, generator: torch.Generator | None = None):
+        super().__init__()
+        s = dim**-0.5
+        self.w_gate = torch.nn.Parameter(torch.randn(hidden, dim, generator=generator) * s)
+        self.w_up = torch.nn.Parameter(torch.randn(hidden, dim, generator=generator) * s)
+        self.w_down = torch.nn.Parameter(torch.randn(dim, hidden, generator=generator) * hidden**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+
+
+class MoE(torch.nn.Module):
+    """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
+
+    ``forward`` groups tokens by expert (one sort, one matmul per expert over its tokens), never a
+    Python loop over tokens; ``reference`` computes every expert on every token and masks.
+    """
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, generator: torch.Generator | None = None):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        self.top_k = top_k
+        self.router = torch.nn.Parameter(torch.randn(n_experts, dim, generator=generator) * dim**-0.5)
+        self.router_bias = torch.nn.Parameter(torch.zeros(n_experts))
+        self.experts = torch.nn.ModuleList(SwiGLU(dim, hidden, generator) for _ in range(n_experts))
+        self.shared = SwiGLU(dim, hidden, generator)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]): sigmoid scores, top-k chosen with the bias, normalised."""
+        scores = torch.sigmoid(F.linear(x.float(), self.router.float()))
+        _, idx = torch.topk(scores + self.router_bias.float(), self.top_k, dim=-1)
+        w = scores.gather(-1, idx)
+        return w / w.sum(-1, keepdim=True).clamp_min(1e-9), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w, idx = self.route(x2)
+        flat_e = idx.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        tok = order // self.top_k
+        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x2, dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(counts):  # one grouped matmul per expert
+            if n:
+                rows = order[start:start + n]
+                y = self.experts[e](x2[tok[start:start + n]]).float()
+                out.index_add_(0, tok[start:start + n], y * w.reshape(-1)[rows, None])
+            start += n
+        out += self.shared(x2).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        w, idx = self.route(x2)
+        dense_w = torch.zeros(x2.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
+        dense_w.scatter_(1, idx, w)
+        every = torch.stack([e(x2).float() for e in self.experts], dim=1)  # [T, E, D]
+        out = (every * dense_w[..., None]).sum(1) + self.shared(x2).float()
+        return out.to(x.dtype).reshape(x.shape)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor,
+                     block: int, top_k: int, window: int) -> torch.Tensor:
+    """Causal block-sparse attention for one sequence: q, k, v [T, H, D]; idx_q, idx_k [T, Di].
+
+    An indexer scores each key block for each query (max over the block of idx_q . idx_k);
+    each query attends to its top_k highest-scoring causal blocks plus a local window of
+    ``window`` tokens.  With T <= top_k * block every causal key is kept: it equals dense.
+    """
+    T, H, D = q.shape
+    nb = math.ceil(T / block)
+    pos = torch.arange(T, device=q.device)
+    causal = pos[None, :] <= pos[:, None]  # [Tq, Tk]
+    scores = (idx_q.float() @ idx_k.float().t()).masked_fill(~causal, float("-inf"))  # [Tq, Tk]
+    pad = nb * block - T
+    blk = F.pad(scores, (0, pad), value=float("-inf")).reshape(T, nb, block).amax(-1)  # [Tq, nb]
+    keep_blocks = torch.zeros(T, nb, dtype=torch.bool, device=q.device)
+    k_sel = min(top_k, nb)
+    top = torch.topk(blk, k_sel, dim=-1).indices
+    keep_blocks.scatter_(1, top, True)
+    keep_blocks &= torch.isfinite(blk)
+    keep = keep_blocks.repeat_interleave(block, dim=1)[:, :T]
+    keep |= (pos[:, None] - pos[None, :] < window) & causal
+    keep &= causal
+    att = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(D)
+    att = att.masked_fill(~keep[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(att, dim=-1), v.float()).to(q.dtype)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference: plain causal softmax attention in float64."""
+    T, H, D = q.shape
+    att = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(D)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    att = att.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(att, dim=-1), v.double()).to(q.dtype)

@@ -1,0 +1,76 @@
+"""target_stack model layers and quantisation against their references, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from target_stack.model.layers import MoE, RMSNorm, dense_causal_attention, sparse_attention
+from target_stack.model.quant import W8A8Linear, dequantize_kv, quantize_kv
+from target_stack.ops.kda.testing import rel_err
+
+
+def test_rmsnorm_matches_float64_reference(gen):
+    n = RMSNorm(64)
+    with torch.no_grad():
+        n.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    x = torch.randn(7, 64, generator=gen)
+    assert rel_err(n(x), n.reference(x.double())) < 1e-6
+
+
+def test_moe_grouped_equals_dense_reference_and_uses_every_chosen_expert(gen):
+    moe = MoE(dim=32, hidden=48, n_experts=8, top_k=2, generator=gen)
+    x = torch.randn(50, 32, generator=gen)
+    with torch.no_grad():
+        out, ref = moe(x), moe.reference(x)
+        w, idx = moe.route(x)
+    assert rel_err(out, ref) < 1e-5
+    assert torch.allclose(w.sum(-1), torch.ones(50)) and idx.shape == (50, 2)
+    assert len(set(idx.flatten().tolist())) > 2  # tokens really spread over experts
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(8, 8, 4, 5)
+
+
+def test_sparse_attention_equals_dense_within_top_k(gen):
+    T, H, D, Di, block = 40, 2, 16, 8, 8
+    q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
+    iq, ik = torch.randn(T, Di, generator=gen), torch.randn(T, Di, generator=gen)
+    dense = dense_causal_attention(q, k, v)
+    within = sparse_attention(q, k, v, iq, ik, block=block, top_k=5, window=4)  # 5 blocks cover T=40
+    assert rel_err(within, dense) < 1e-5
+    sparse = sparse_attention(q, k, v, iq, ik, block=block, top_k=1, window=4)
+    assert rel_err(sparse, dense) > 1e-3  # really sparse when top-k does not cover the sequence
+    assert torch.isfinite(sparse).all()
+
+
+def test_w8a8_linear_within_common_practice_tolerance(gen):
+    lin = torch.nn.Linear(256, 128)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=gen) * 0.05)
+        lin.bias.copy_(torch.randn(128, generator=gen) * 0.1)
+    x = torch.randn(33, 256, generator=gen)
+    q = W8A8Linear.from_linear(lin)
+    assert q.qweight.dtype == torch.int8
+    with torch.no_grad():
+        ref, out = lin(x), q(x)
+    mean_rel = ((out - ref).abs().mean() / ref.abs().mean()).item()
+    assert mean_rel < 0.05, mean_rel
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "bf16", "fp32"])
+def test_kv_storage_round_trip(kind, gen):
+    x = torch.randn(17, 4, 64, generator=gen)
+    values, scale = quantize_kv(x, kind)
+    back = dequantize_kv(values, scale)
+    if kind == "int8":
+        assert values.dtype == torch.int8 and scale.shape == (17, 4, 1)
+        assert ((back - x).abs() <= scale / 2 + 1e-7).all()  # within half a scale step
+    elif kind == "fp8":
+        assert values.dtype == torch.float8_e4m3fn
+        assert torch.allclose(back, x, atol=1e-3, rtol=0.1)
+    elif kind == "bf16":
+        assert torch.allclose(back, x, rtol=1e-2, atol=1e-3)
+    else:
+        assert torch.equal(back, x)
+    with pytest.raises(ValueError, match="KV storage kind"):
+        quantize_kv(x, "int4")
