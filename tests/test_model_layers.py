@@ -74,3 +74,20 @@ def test_kv_storage_round_trip(kind, gen):
         assert torch.equal(back, x)
     with pytest.raises(ValueError, match="KV storage kind"):
         quantize_kv(x, "int4")
+
+
+def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen):
+    from target_stack.model.kda_layer import KDALayer
+
+    layer = KDALayer(dim=48, heads=2, head_k=16, head_v=16, generator=gen)
+    x = torch.randn(2, 23, 48, generator=gen)
+    with torch.no_grad():
+        full = layer(x)
+        assert rel_err(full, layer.reference(x)) < 1e-5
+        # prefill 20 tokens, then decode 3 one at a time with the carried conv and KDA states
+        out, state = layer.prefill(x[:, :20])
+        steps = [out]
+        for t in range(20, 23):
+            y, state = layer.decode(x[:, t:t + 1], state)
+            steps.append(y)
+    assert rel_err(torch.cat(steps, dim=1), full) < 1e-5

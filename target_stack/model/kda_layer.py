@@ -1,0 +1,88 @@
+"""The KDA layer of target_stack: projections, short causal convolution, gates, KDA, gated output norm.
+
+    q, k, v = silu(conv(W x))            short depthwise causal convolutions (kernel 4)
+    q, k    = l2norm(q), l2norm(k)
+    g       = -exp(A_log) * softplus(W_f x + dt_bias)      per-channel log decay
+    beta    = sigmoid(W_b x)
+    o       = KDA(q, k, v, g, beta)       chunk_kda for prefill, fused_recurrent_kda for decode
+    y       = W_o (rmsnorm(o) * sigmoid(W_g x))
+
+``forward`` uses the Triton kernels; ``reference`` the float64 token-loop reference of the same
+maths.  ``prefill`` / ``decode`` carry the convolution and KDA states between calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
+
+CONV = 4
+
+
+@dataclass
+class KDAState:
+    conv: torch.Tensor  # [B, CONV - 1, 2 * H * K + H * V]: the last inputs of the convolution (q, k, v)
+    kda: torch.Tensor  # [B, H, K, V] fp32
+
+
+class KDALayer(torch.nn.Module):
+    def __init__(self, dim: int, heads: int, head_k: int, head_v: int, generator: torch.Generator | None = None):
+        super().__init__()
+        self.H, self.K, self.V = heads, head_k, head_v
+        g = generator
+        s = dim**-0.5
+        self.w_qkv = torch.nn.Parameter(torch.randn(heads * (2 * head_k + head_v), dim, generator=g) * s)
+        self.conv = torch.nn.Parameter(torch.randn(heads * (2 * head_k + head_v), CONV, generator=g) * 0.5)
+        self.w_f = torch.nn.Parameter(torch.randn(heads * head_k, dim, generator=g) * s)
+        self.dt_bias = torch.nn.Parameter(torch.randn(heads * head_k, generator=g) * 0.1 - 2.0)
+        self.A_log = torch.nn.Parameter(torch.log(torch.rand(heads, generator=g) * 0.5 + 0.1))
+        self.w_b = torch.nn.Parameter(torch.randn(heads, dim, generator=g) * s)
+        self.w_g = torch.nn.Parameter(torch.randn(heads * head_v, dim, generator=g) * s)
+        self.norm_w = torch.nn.Parameter(torch.ones(head_v))
+        self.w_o = torch.nn.Parameter(torch.randn(dim, heads * head_v, generator=g) * (heads * head_v) ** -0.5)
+
+    def _inputs(self, x: torch.Tensor, conv_state: torch.Tensor | None):
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        pre = F.linear(x, self.w_qkv)  # [B, T, C]
+        hist = conv_state if conv_state is not None else pre.new_zeros(B, CONV - 1, pre.shape[-1])
+        full = torch.cat([hist, pre], dim=1)  # causal: each token sees the CONV - 1 before it
+        windows = full.unfold(1, CONV, 1)  # [B, T, C, CONV]
+        mixed = F.silu((windows * self.conv[None, None]).sum(-1))
+        q, k, v = mixed.split([H * K, H * K, H * V], dim=-1)
+        q = F.normalize(q.reshape(B, T, H, K), dim=-1)
+        k = F.normalize(k.reshape(B, T, H, K), dim=-1)
+        v = v.reshape(B, T, H, V)
+        f = F.linear(x, self.w_f).reshape(B, T, H, K) + self.dt_bias.reshape(H, K)
+        gate = -self.A_log.exp()[None, None, :, None] * F.softplus(f)
+        beta = torch.sigmoid(F.linear(x, self.w_b))
+        return (q, k, v, gate, beta), full[:, -(CONV - 1):]
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        of = o.float()
+        normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_w
+        gated = normed.reshape(B, T, -1) * torch.sigmoid(F.linear(x, self.w_g))
+        return F.linear(gated.to(x.dtype), self.w_o)
+
+    def prefill(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
+        inputs, conv = self._inputs(x, state.conv if state else None)
+        o, s = chunk_kda(*inputs, initial_state=state.kda if state else None, output_final_state=True)
+        return self._output(o, x), KDAState(conv=conv, kda=s)
+
+    def decode(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, KDAState]:
+        inputs, conv = self._inputs(x, state.conv)
+        o, s = fused_recurrent_kda(*inputs, initial_state=state.kda, output_final_state=True)
+        return self._output(o, x), KDAState(conv=conv, kda=s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prefill(x)[0]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        inputs, _ = self._inputs(x, None)
+        o, _ = naive_recurrent_kda(*(t.double() for t in inputs))
+        return self._output(o.to(x.dtype), x)
