@@ -91,3 +91,20 @@ def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen):
             y, state = layer.decode(x[:, t:t + 1], state)
             steps.append(y)
     assert rel_err(torch.cat(steps, dim=1), full) < 1e-5
+
+
+def test_hybrid_model_serving_path_matches_the_reference_path(gen):
+    from target_stack.model.model import HybridModel
+
+    model = HybridModel("tiny")
+    kinds = ["attn" if b.is_attn else "kda" for b in model.blocks]
+    assert kinds == ["kda", "kda", "kda", "attn"]
+    T = model.cfg.block * model.cfg.top_k_blocks  # sparse attention is exact up to top_k * block tokens
+    tokens = torch.randint(0, model.cfg.vocab, (2, T), generator=gen)
+    logits = model(tokens)
+    assert logits.shape == (2, T, model.cfg.vocab) and torch.isfinite(logits).all()
+    assert rel_err(logits, model.reference(tokens)) < 1e-4
+    with pytest.raises(ValueError, match="token ids"):
+        model(torch.full((1, 3), model.cfg.vocab))
+    with pytest.raises(ValueError, match="unknown preset"):
+        HybridModel("huge")
