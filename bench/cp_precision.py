@@ -38,7 +38,7 @@ def make_case(path: pathlib.Path) -> None:
     gen = torch.Generator().manual_seed(20261130)
     x = make_inputs(**SHAPE, decay_shift=DECAY_SHIFT, generator=gen)
     ro, rs = naive_recurrent_kda(*(t.double() for t in x), output_final_state=True)
-    n, K = 64, 64
+    n = 64
     M = torch.linalg.qr(torch.randn(max(CHAIN_LINKS), n, n, dtype=torch.float64, generator=gen))[0]
     M = (M * 0.999).float().contiguous()
     h_local = (torch.randn(max(CHAIN_LINKS), n, n, generator=gen) * 0.05).contiguous()

@@ -72,7 +72,8 @@ def judge(
     results: list[ProbeResult] = []
     base_results: list[ProbeResult] = []
     stopped = None
-    for stage, group in stages(specs):
+    cascade = stages(specs)
+    for stage, group in cascade:
         results += runner.run(group, on_done=(lambda r: on_result("candidate", r)) if on_result else None)
         if base_runner is not None:
             base_group = [s for s in group if _has(base_runner.manifest, s.id)]
@@ -80,7 +81,7 @@ def judge(
                                             on_done=(lambda r: on_result("baseline", r)) if on_result else None)
         if not run_all and any(r.status in (Status.failed, Status.error, Status.timeout)
                                for r in results if r.probe in {s.id for s in group}):
-            stopped = stage if stage != stages(specs)[-1][0] else None
+            stopped = stage if stage != cascade[-1][0] else None
             break
 
     return FeedbackReport(

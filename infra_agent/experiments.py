@@ -251,7 +251,7 @@ def _perf_disagrees(then: ProbeResult, now: ProbeResult, tolerance: float = 0.25
 def junit_xml(results: list[ReplayResult]) -> str:
     fails = sum(r.status == "regressed" for r in results)
     stale = sum(r.status == "stale" for r in results)
-    out = [f'<?xml version="1.0" encoding="UTF-8"?>',
+    out = ['<?xml version="1.0" encoding="UTF-8"?>',
            f'<testsuite name="infra-agent-replay" tests="{len(results)}" failures="{fails}" errors="{stale}" '
            f'time="{sum(r.duration_s for r in results):.2f}">']
     for r in results:

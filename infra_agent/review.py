@@ -168,7 +168,7 @@ class ReviewQueue:
         return self.get(item_id)
 
     def rejections(self, target: str) -> list[Item]:
-        return [i for i in self.list(state="rejected", target=target)]
+        return self.list(state="rejected", target=target)
 
 
 def reviewer_name(explicit: str | None = None) -> str:

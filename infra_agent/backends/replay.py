@@ -18,7 +18,7 @@ class ReplayBackend:
         self.model = f"replay of {path.name}"
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
         self.replies: list[dict] = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
