@@ -79,6 +79,19 @@ class KDALayer(torch.nn.Module):
         o, s = fused_recurrent_kda(*inputs, initial_state=state.kda, output_final_state=True)
         return self._output(o, x), KDAState(conv=conv, kda=s)
 
+    def decode_pooled(self, x: torch.Tensor, conv_pool: torch.Tensor, kda_pool: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+        """One decode step for a batch whose states live in pools ([num_slots, ...]) at ``slots``.
+
+        The KDA states are updated in place by the kernel; slot 0 (padding) is never written, and
+        its convolution tail is reset so padded rows always start from zeros.
+        """
+        inputs, conv = self._inputs(x, conv_pool[slots])
+        o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
+        conv_pool.index_copy_(0, slots, conv.to(conv_pool.dtype))
+        conv_pool[0].zero_()
+        return self._output(o, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.prefill(x)[0]
 

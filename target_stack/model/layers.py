@@ -122,6 +122,32 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: t
     return torch.einsum("hqk,khd->qhd", torch.softmax(att, dim=-1), v.float()).to(q.dtype)
 
 
+def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: torch.Tensor,
+                            idx_k: torch.Tensor, lengths: torch.Tensor, block: int, top_k: int,
+                            window: int) -> torch.Tensor:
+    """The last row of :func:`sparse_attention` for a batch of sequences of different lengths.
+
+    q [B, H, D] and idx_q [B, Di] belong to each sequence's newest token at position lengths - 1;
+    k, v [B, L, H, D] and idx_k [B, L, Di] hold its keys, padded past ``lengths`` (ignored).
+    No host synchronisation: a decode step stays capturable in a CUDA graph.
+    """
+    B, L, H, D = k.shape
+    nb = math.ceil(L / block)
+    pos = torch.arange(L, device=q.device)
+    valid = pos[None, :] < lengths[:, None]  # [B, L]
+    scores = torch.einsum("bd,bld->bl", idx_q.float(), idx_k.float()).masked_fill(~valid, float("-inf"))
+    blk = F.pad(scores, (0, nb * block - L), value=float("-inf")).reshape(B, nb, block).amax(-1)
+    top = torch.topk(blk, min(top_k, nb), dim=-1).indices
+    keep_blocks = torch.zeros(B, nb, dtype=torch.bool, device=q.device).scatter_(1, top, True)
+    keep_blocks &= torch.isfinite(blk)
+    keep = keep_blocks.repeat_interleave(block, dim=1)[:, :L]
+    keep |= (lengths[:, None] - 1 - pos[None, :]) < window
+    keep &= valid
+    att = torch.einsum("bhd,blhd->bhl", q.float(), k.float()) / math.sqrt(D)
+    att = att.masked_fill(~keep[:, None, :], float("-inf"))
+    return torch.einsum("bhl,blhd->bhd", torch.softmax(att, dim=-1), v.float()).to(q.dtype)
+
+
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The reference: plain causal softmax attention in float64."""
     T, H, D = q.shape

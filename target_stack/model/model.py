@@ -35,15 +35,80 @@ class ModelConfig:
     experts: int = 4
     top_k_experts: int = 2
     expert_hidden: int = 64
+    patch: int = 8  # image encoder: patch side in pixels
+    image_layers: int = 2
+    max_image_side: int = 64
+    kv_dtype: str = "fp32"  # KV storage of the sparse-attention layers: fp32 | bf16 | int8 | fp8
+    kv_dtype_overrides: tuple[tuple[int, str], ...] = ()  # (layer index, kind) pairs
     seed: int = 0
+
+    def kv_dtype_for(self, layer: int) -> str:
+        return dict(self.kv_dtype_overrides).get(layer, self.kv_dtype)
 
 
 PRESETS = {
     "tiny": ModelConfig(),
     "bench": ModelConfig(vocab=32000, dim=2048, layers=16, heads=16, head_k=128, head_v=128, attn_every=4,
                          attn_heads=16, attn_head_dim=128, index_dim=64, block=64, top_k_blocks=32, window=128,
-                         mlp_hidden=5632, experts=32, top_k_experts=4, expert_hidden=1024),
+                         mlp_hidden=5632, experts=32, top_k_experts=4, expert_hidden=1024, patch=16,
+                         max_image_side=448, kv_dtype="bf16"),
 }
+
+
+class ImageEncoder(torch.nn.Module):
+    """Patch embedding then a few pre-norm transformer layers (bidirectional attention, SwiGLU).
+
+    Input: an image [3, H, W] in [0, 1] with H and W multiples of the patch side.  Output: one
+    embedding per patch, [H * W / patch**2, dim], spliced in front of the prompt's token embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, generator: torch.Generator):
+        super().__init__()
+        self.cfg = cfg
+        d, p = cfg.dim, cfg.patch
+        self.patch_embed = torch.nn.Parameter(torch.randn(d, 3 * p * p, generator=generator) * (3 * p * p) ** -0.5)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(cfg.image_layers):
+            layer = torch.nn.Module()
+            layer.norm1, layer.norm2 = RMSNorm(d), RMSNorm(d)
+            layer.w_qkv = torch.nn.Parameter(torch.randn(3 * d, d, generator=generator) * d**-0.5)
+            layer.w_o = torch.nn.Parameter(torch.randn(d, d, generator=generator) * d**-0.5)
+            layer.mlp = SwiGLU(d, 2 * d, generator)
+            self.layers.append(layer)
+        self.norm = RMSNorm(d)
+
+    def patches(self, image: torch.Tensor) -> torch.Tensor:
+        p = self.cfg.patch
+        C, H, W = image.shape
+        x = image.reshape(C, H // p, p, W // p, p).permute(1, 3, 0, 2, 4).reshape((H // p) * (W // p), C * p * p)
+        return x
+
+    def _run(self, image: torch.Tensor, ref: bool) -> torch.Tensor:
+        dtype = torch.float64 if ref else self.patch_embed.dtype
+        h = F.linear(self.patches(image.to(dtype)), self.patch_embed.to(dtype))
+        heads = self.cfg.attn_heads
+        for layer in self.layers:
+            x = layer.norm1.reference(h) if ref else layer.norm1(h)
+            q, k, v = F.linear(x, layer.w_qkv.to(dtype)).reshape(x.shape[0], 3, heads, -1).unbind(1)
+            if ref:
+                att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5, dim=-1)
+                o = torch.einsum("hqk,khd->qhd", att, v)
+            else:
+                o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+            h = h + F.linear(o.reshape(x.shape[0], -1), layer.w_o.to(dtype))
+            x = layer.norm2.reference(h) if ref else layer.norm2(h)
+            mlp = layer.mlp
+            h = h + F.linear(F.silu(F.linear(x, mlp.w_gate.to(dtype))) * F.linear(x, mlp.w_up.to(dtype)),
+                             mlp.w_down.to(dtype))
+        return self.norm.reference(h) if ref else self.norm(h)
+
+    @torch.no_grad()
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self._run(image, ref=False)
+
+    @torch.no_grad()
+    def reference(self, image: torch.Tensor) -> torch.Tensor:
+        return self._run(image, ref=True).to(self.patch_embed.dtype)
 
 
 class SparseAttentionLayer(torch.nn.Module):
@@ -55,7 +120,8 @@ class SparseAttentionLayer(torch.nn.Module):
         self.w_idx = torch.nn.Parameter(torch.randn(2 * cfg.index_dim, d, generator=generator) * d**-0.5)
         self.w_o = torch.nn.Parameter(torch.randn(d, h * hd, generator=generator) * (h * hd) ** -0.5)
 
-    def _split(self, x: torch.Tensor):
+    def project(self, x: torch.Tensor):
+        """q, k, v [T, H, D] and the indexer's query and key [T, Di] for tokens x [T, dim]."""
         cfg = self.cfg
         q, k, v = F.linear(x, self.w_qkv).split(cfg.attn_heads * cfg.attn_head_dim, dim=-1)
         iq, ik = F.linear(x, self.w_idx).split(cfg.index_dim, dim=-1)
@@ -63,14 +129,14 @@ class SparseAttentionLayer(torch.nn.Module):
         return q.reshape(shape), k.reshape(shape), v.reshape(shape), iq, ik
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # one sequence: [T, dim]
-        q, k, v, iq, ik = self._split(x)
+        q, k, v, iq, ik = self.project(x)
         cfg = self.cfg
         o = sparse_attention(q, k, v, iq, ik, cfg.block, cfg.top_k_blocks, cfg.window)
         return F.linear(o.reshape(x.shape[0], -1), self.w_o)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dense causal attention: equal to forward whenever top-k blocks cover the sequence."""
-        q, k, v, _, _ = self._split(x)
+        q, k, v, _, _ = self.project(x)
         return F.linear(dense_causal_attention(q, k, v).reshape(x.shape[0], -1), self.w_o)
 
 
@@ -111,23 +177,34 @@ class HybridModel(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(cfg, i, gen) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab, cfg.dim, generator=gen) * cfg.dim**-0.5)
+        self.image_encoder = ImageEncoder(cfg, gen)
 
-    def _run(self, tokens: torch.Tensor, ref: bool) -> torch.Tensor:
-        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("tokens must be an integer tensor [batch, time]")
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens must be an integer tensor, got {tokens.dtype}")
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab})")
-        h = F.embedding(tokens, self.embed)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.check_tokens(tokens)
+        return F.embedding(tokens, self.embed)
+
+    def _run(self, tokens: torch.Tensor, ref: bool, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError("tokens must be an integer tensor [batch, time]")
+        h = self.embed_tokens(tokens)
+        if prefix is not None:  # image embeddings [batch, patches, dim] in front of the prompt
+            h = torch.cat([prefix.to(h.dtype), h], dim=1)
         for block in self.blocks:
             h = block(h, ref=ref)
         h = self.norm.reference(h) if ref else self.norm(h)
         return F.linear(h, self.lm_head)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, time, vocab] on the serving path."""
-        return self._run(tokens, ref=False)
+    def forward(self, tokens: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, time, vocab] on the serving path (``prefix``: embeddings spliced in front)."""
+        return self._run(tokens, ref=False, prefix=prefix)
 
     @torch.no_grad()
-    def reference(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._run(tokens, ref=True)
+    def reference(self, tokens: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(tokens, ref=True, prefix=prefix)
