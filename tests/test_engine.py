@@ -15,7 +15,7 @@ from target_stack.ops.kda.testing import rel_err
 
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
-    return HybridModel("tiny")
+    return HybridModel("tiny")  # KDA through its torch form on the CPU (kda_backend='auto')
 
 
 def greedy_by_recompute(model: HybridModel, prompt: list[int], n: int, prefix: torch.Tensor | None = None) -> list[int]:
@@ -36,7 +36,10 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert engine.usage()["pages_used"] == 0 and engine.usage()["slots_used"] == 0
 
 
-def test_continuous_batching_equals_full_recompute(model, gen):
+@pytest.mark.parametrize("kda_backend", ["triton", "torch"])
+def test_continuous_batching_equals_full_recompute(gen, kda_backend):
+    # the Triton kernels (interpreted here) or the torch chunked form; pooled decode either way
+    model = HybridModel(ModelConfig(kda_backend=kda_backend))
     # lengths straddle a page (16) and the sparse-attention horizon (top_k * block = 64)
     prompts = [random_prompt(gen, n, model.cfg.vocab) for n in (5, 17, 70)]
     engine = LLMEngine(model)

@@ -76,10 +76,11 @@ def test_kv_storage_round_trip(kind, gen):
         quantize_kv(x, "int4")
 
 
-def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen, backend):
     from target_stack.model.kda_layer import KDALayer
 
-    layer = KDALayer(dim=48, heads=2, head_k=16, head_v=16, generator=gen)
+    layer = KDALayer(dim=48, heads=2, head_k=16, head_v=16, generator=gen, backend=backend)
     x = torch.randn(2, 23, 48, generator=gen)
     with torch.no_grad():
         full = layer(x)
@@ -94,9 +95,9 @@ def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen):
 
 
 def test_hybrid_model_serving_path_matches_the_reference_path(gen):
-    from target_stack.model.model import HybridModel
+    from target_stack.model.model import HybridModel, ModelConfig
 
-    model = HybridModel("tiny")
+    model = HybridModel(ModelConfig(kda_backend="triton"))
     kinds = ["attn" if b.is_attn else "kda" for b in model.blocks]
     assert kinds == ["kda", "kda", "kda", "attn"]
     T = model.cfg.block * model.cfg.top_k_blocks  # sparse attention is exact up to top_k * block tokens

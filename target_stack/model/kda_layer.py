@@ -7,8 +7,10 @@
     o       = KDA(q, k, v, g, beta)       chunk_kda for prefill, fused_recurrent_kda for decode
     y       = W_o (rmsnorm(o) * sigmoid(W_g x))
 
-``forward`` uses the Triton kernels; ``reference`` the float64 token-loop reference of the same
-maths.  ``prefill`` / ``decode`` carry the convolution and KDA states between calls.
+``forward`` uses the kernels of ``backend``: 'triton' (the Triton kernels), 'torch' (the chunked
+torch form, the engine's CPU path: the Triton interpreter is a correctness tool, ~20x slower), or
+'auto' (Triton on a GPU, torch on the CPU).  ``reference`` is the float64 token-loop reference of
+the same maths.  ``prefill`` / ``decode`` carry the convolution and KDA states between calls.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
+from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda
 
 CONV = 4
 
@@ -30,8 +32,12 @@ class KDAState:
 
 
 class KDALayer(torch.nn.Module):
-    def __init__(self, dim: int, heads: int, head_k: int, head_v: int, generator: torch.Generator | None = None):
+    def __init__(self, dim: int, heads: int, head_k: int, head_v: int, generator: torch.Generator | None = None,
+                 backend: str = "auto"):
         super().__init__()
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"KDA backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        self.backend = backend
         self.H, self.K, self.V = heads, head_k, head_v
         g = generator
         s = dim**-0.5
@@ -69,15 +75,23 @@ class KDALayer(torch.nn.Module):
         gated = normed.reshape(B, T, -1) * torch.sigmoid(F.linear(x, self.w_g))
         return F.linear(gated.to(x.dtype), self.w_o)
 
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+
     def prefill(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
         inputs, conv = self._inputs(x, state.conv if state else None)
-        o, s = chunk_kda(*inputs, initial_state=state.kda if state else None, output_final_state=True)
-        return self._output(o, x), KDAState(conv=conv, kda=s)
+        h0 = state.kda if state else None
+        if self.uses_triton(x):
+            o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
+        else:
+            o, s = naive_chunk_kda(*inputs, initial_state=h0, output_final_state=True)
+        return self._output(o, x), KDAState(conv=conv, kda=s.float())
 
     def decode(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, KDAState]:
         inputs, conv = self._inputs(x, state.conv)
-        o, s = fused_recurrent_kda(*inputs, initial_state=state.kda, output_final_state=True)
-        return self._output(o, x), KDAState(conv=conv, kda=s)
+        kernel = fused_recurrent_kda if self.uses_triton(x) else naive_recurrent_kda
+        o, s = kernel(*inputs, initial_state=state.kda, output_final_state=True)
+        return self._output(o, x), KDAState(conv=conv, kda=s.float())
 
     def decode_pooled(self, x: torch.Tensor, conv_pool: torch.Tensor, kda_pool: torch.Tensor,
                       slots: torch.Tensor) -> torch.Tensor:
@@ -87,7 +101,13 @@ class KDALayer(torch.nn.Module):
         its convolution tail is reset so padded rows always start from zeros.
         """
         inputs, conv = self._inputs(x, conv_pool[slots])
-        o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
+        if self.uses_triton(x):
+            o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
+        else:  # same contract in torch: slot 0 reads zeros and is never written
+            live = slots > 0
+            h0 = kda_pool[slots] * live[:, None, None, None]
+            o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
+            kda_pool[slots[live]] = ht[live].float()
         conv_pool.index_copy_(0, slots, conv.to(conv_pool.dtype))
         conv_pool[0].zero_()
         return self._output(o, x)

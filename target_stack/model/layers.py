@@ -48,11 +48,16 @@ class MoE(torch.nn.Module):
     Python loop over tokens; ``reference`` computes every expert on every token and masks.
     """
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, generator: torch.Generator | None = None):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, generator: torch.Generator | None = None,
+                 backend: str = "torch"):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+        if backend not in ("torch", "native"):
+            raise ValueError(f"MoE backend must be 'torch' or 'native', got {backend!r}")
         self.top_k = top_k
+        self.backend = backend  # 'native': the compiled dispatch/expert/combine step on CPU fp32 inputs
+        self._stacked: tuple | None = None
         self.router = torch.nn.Parameter(torch.randn(n_experts, dim, generator=generator) * dim**-0.5)
         self.router_bias = torch.nn.Parameter(torch.zeros(n_experts))
         self.experts = torch.nn.ModuleList(SwiGLU(dim, hidden, generator) for _ in range(n_experts))
@@ -65,10 +70,25 @@ class MoE(torch.nn.Module):
         w = scores.gather(-1, idx)
         return w / w.sum(-1, keepdim=True).clamp_min(1e-9), idx
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert weights as [E, H, D], [E, H, D], [E, D, H] (cached; rebuilt if a weight changes)."""
+        key = tuple((e.w_gate._version, e.w_up._version, e.w_down._version) for e in self.experts)
+        if self._stacked is None or self._stacked[0] != key:
+            with torch.no_grad():
+                w = tuple(torch.stack([getattr(e, n).float() for e in self.experts]).contiguous()
+                          for n in ("w_gate", "w_up", "w_down"))
+            self._stacked = (key, w)
+        return self._stacked[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
+        if self.backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32:
+            from target_stack.engine.native import moe_dispatch_combine
+
+            out = moe_dispatch_combine(x2, idx, w, *self.stacked_weights())
+            return (out + self.shared(x2).float()).reshape(shape)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
         tok = order // self.top_k

@@ -38,6 +38,8 @@ class ModelConfig:
     patch: int = 8  # image encoder: patch side in pixels
     image_layers: int = 2
     max_image_side: int = 64
+    kda_backend: str = "auto"  # "triton" | "torch" | "auto" (Triton on a GPU, the torch chunked form on CPU)
+    moe_backend: str = "torch"  # "native": the compiled dispatch/expert/combine step (CPU fp32)
     kv_dtype: str = "fp32"  # KV storage of the sparse-attention layers: fp32 | bf16 | int8 | fp8
     kv_dtype_overrides: tuple[tuple[int, str], ...] = ()  # (layer index, kind) pairs
     seed: int = 0
@@ -146,9 +148,10 @@ class Block(torch.nn.Module):
         self.is_attn = (index + 1) % cfg.attn_every == 0
         self.norm1, self.norm2 = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         self.mixer = (SparseAttentionLayer(cfg, generator) if self.is_attn
-                      else KDALayer(cfg.dim, cfg.heads, cfg.head_k, cfg.head_v, generator))
+                      else KDALayer(cfg.dim, cfg.heads, cfg.head_k, cfg.head_v, generator, backend=cfg.kda_backend))
         self.ffn = (SwiGLU(cfg.dim, cfg.mlp_hidden, generator) if index == 0
-                    else MoE(cfg.dim, cfg.expert_hidden, cfg.experts, cfg.top_k_experts, generator))
+                    else MoE(cfg.dim, cfg.expert_hidden, cfg.experts, cfg.top_k_experts, generator,
+                             backend=cfg.moe_backend))
 
     def _mix(self, h: torch.Tensor, ref: bool) -> torch.Tensor:
         if self.is_attn:

@@ -1,0 +1,103 @@
+"""target_stack's native extension: the MoE dispatch / expert / combine step of the CPU prefill path.
+
+The C source beside this file is compiled at first use with the machine's C compiler into a cache
+directory keyed by the source's hash (``$TARGET_STACK_CACHE``, default ``~/.cache/target_stack``),
+written atomically so concurrent first uses are safe, and loaded with ctypes.
+
+``ctypes.CDLL`` releases the GIL for the duration of each call, so Python threads (the KV-transfer
+thread) keep running while the experts compute; ``ctypes.PyDLL`` would hold it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import torch
+
+from target_stack.engine.events import emit
+
+SOURCE = pathlib.Path(__file__).with_name("moe_dispatch.c")
+CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno"]
+_lock = threading.Lock()
+_lib = None
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("TARGET_STACK_CACHE") or pathlib.Path.home() / ".cache" / "target_stack"
+    return pathlib.Path(root) / "native"
+
+
+def build() -> pathlib.Path:
+    """Compile the extension if this source has not been built here yet; return the library path."""
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise NativeBuildError("no C compiler found (set CC, or install cc/gcc/clang) to build "
+                               f"target_stack's native MoE dispatch from {SOURCE}")
+    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, sys.platform]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"libts_moe-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise NativeBuildError(f"building {SOURCE.name} with {cc} failed:\n{proc.stderr.strip()}")
+    os.replace(tmp, out)  # atomic: a concurrent builder either sees nothing or the whole library
+    return out
+
+
+def library() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(build()))
+            fn = lib.ts_moe_dispatch_combine
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7
+            _lib = lib
+    return _lib
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def moe_dispatch_combine(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                         w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]) for x [T, D] fp32 on the CPU.
+
+    w_gate, w_up: [E, H, D]; w_down: [E, D, H] (all fp32, contiguous).
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        raise ValueError(f"the native MoE dispatch runs on CPU float32 tensors, got {x.dtype} on {x.device}")
+    T, D = x.shape
+    E, H, _ = w_gate.shape
+    K = experts.shape[1]
+    x = x.contiguous()
+    experts = experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty(T, D)
+    emit("dispatch.enter", tokens=T)
+    rc = library().ts_moe_dispatch_combine(T, D, H, E, K, _ptr(x), _ptr(experts), _ptr(weights),
+                                           _ptr(w_gate), _ptr(w_up), _ptr(w_down), _ptr(out))
+    emit("dispatch.exit", tokens=T)
+    if rc == -1:
+        raise ValueError(f"expert ids must be in [0, {E})")
+    if rc != 0:
+        raise MemoryError("native MoE dispatch could not allocate its buffers")
+    return out
