@@ -1,4 +1,4 @@
-"""``python -m target_stack.bench kda [--json FILE]``: target_stack's benchmarks (table + JSON)."""
+"""``python -m target_stack.bench {kda,serve}``: target_stack's benchmarks (a table and JSON)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,23 @@ def main(argv: list[str] | None = None) -> int:
     kda = sub.add_parser("kda", help="KDA decode and prefill kernels (GPU timings; CPU smoke)")
     kda.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/kda.json"),
                      help="where to write the JSON result (default: %(default)s)")
+    serve = sub.add_parser("serve", help="serving workload: engine and disaggregated workers (TTFT, TPOT, "
+                                         "throughput, KV-transfer overhead)")
+    serve.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    from target_stack.bench.serve import DEFAULT_WORKLOAD
+
+    serve.add_argument("--workload", default=DEFAULT_WORKLOAD,
+                       help="requests=N,rate=R (req/s, 0: all at once),prompt=LO-HI,output=LO-HI,mm=SHARE,seed=S "
+                            "(default: %(default)s)")
+    serve.add_argument("--stages", type=int, default=2, help="Layer Split stages of the prefill worker")
+    serve.add_argument("--only", choices=["engine", "disagg"], help="run one part only")
+    serve.add_argument("--repeats", type=int, default=3,
+                       help="alternate prefill-only and full disaggregated runs this many times (medians)")
+    serve.add_argument("--compare-gil", action="store_true",
+                       help="also run the disaggregated part with scenarios/gil-hold.patch applied")
+    serve.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/serve.json"),
+                       help="where to write the JSON result (default: %(default)s)")
+    serve.add_argument("--print-json", action="store_true", help="print the JSON result as the last stdout line")
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -22,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         from target_stack.bench.kda import run
 
         return run(args.json, console)
+    if args.bench == "serve":
+        from target_stack.bench.serve import run as run_serve
+
+        return run_serve(args.preset, args.workload, args.stages, args.only, args.compare_gil, args.json,
+                         args.print_json, console, args.repeats)
     return 2  # pragma: no cover - argparse rejects unknown benchmarks
 
 

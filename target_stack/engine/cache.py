@@ -7,6 +7,8 @@ it).  ``leaks()`` is the accounting a probe checks after a run: every page and s
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from target_stack.model.quant import dequantize_kv, quantize_kv
@@ -17,7 +19,8 @@ class OutOfMemory(RuntimeError):
 
 
 class FreeList:
-    """Ids 1..n-1 (0 is reserved), handed out lowest first so runs are reproducible."""
+    """Ids 1..n-1 (0 is reserved), handed out lowest first so runs are reproducible.  Thread-safe:
+    a decode worker's receiver thread allocates while its main thread schedules."""
 
     def __init__(self, n: int, what: str):
         if n < 2:
@@ -25,6 +28,7 @@ class FreeList:
         self.n, self.what = n, what
         self._free = list(range(n - 1, 0, -1))
         self._owner: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
@@ -35,23 +39,27 @@ class FreeList:
         return len(self._owner)
 
     def take(self, count: int, owner: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfMemory(f"{self.what}: need {count}, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(count)]
-        for i in ids:
-            self._owner[i] = owner
-        return ids
+        with self._lock:
+            if count > len(self._free):
+                raise OutOfMemory(f"{self.what}: need {count}, {len(self._free)} free")
+            ids = [self._free.pop() for _ in range(count)]
+            for i in ids:
+                self._owner[i] = owner
+            return ids
 
     def give(self, ids: list[int], owner: int) -> None:
-        for i in ids:
-            if self._owner.get(i) != owner:
-                raise RuntimeError(f"{self.what}: {i} is not held by sequence {owner} (double free?)")
-            del self._owner[i]
-            self._free.append(i)
-        self._free.sort(reverse=True)
+        with self._lock:
+            for i in ids:
+                if self._owner.get(i) != owner:
+                    raise RuntimeError(f"{self.what}: {i} is not held by sequence {owner} (double free?)")
+            for i in ids:
+                del self._owner[i]
+                self._free.append(i)
+            self._free.sort(reverse=True)
 
     def holders(self) -> dict[int, int]:
-        return dict(self._owner)
+        with self._lock:
+            return dict(self._owner)
 
 
 class PagedKV:

@@ -29,7 +29,8 @@ from target_stack.model.model import HybridModel
 class LLMEngine:
     def __init__(self, model: HybridModel | str = "tiny", *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, num_pages: int = 256, page_size: int = 16, num_slots: int = 33,
-                 max_batch: int = 32, max_model_len: int = 1024, max_prefill_tokens: int = 4096):
+                 max_batch: int = 32, max_model_len: int = 1024, max_prefill_tokens: int = 4096,
+                 cuda_graphs: bool | None = None):
         if isinstance(model, str):
             model = HybridModel(model)
         device = torch.device(device) if device is not None else model.embed.device
@@ -41,6 +42,12 @@ class LLMEngine:
         if -(-max_model_len // page_size) > num_pages - 1:
             raise ValueError(f"max_model_len={max_model_len} needs more than the {num_pages - 1} usable pages")
         self.runner = ModelRunner(self.model, num_pages, page_size, num_slots)
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda"
+        if cuda_graphs:
+            if device.type != "cuda":
+                raise ValueError("cuda_graphs=True needs a CUDA device; the CPU path stays eager")
+            self.runner.enable_cuda_graphs(max_batch, max_model_len)
         self.scheduler = Scheduler(self.pages, self.slots, page_size, max_batch, max_prefill_tokens,
                                    swap_out=self.runner.swap_out)
         self.seqs: dict[int, Sequence] = {}
@@ -60,7 +67,7 @@ class LLMEngine:
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} outside the vocabulary [0, {self.cfg.vocab})")
-        seq = Sequence(prompt=tokens, params=params, arrival=time.perf_counter())
+        seq = Sequence(prompt=tokens, params=params, arrival=time.monotonic())
         if image is not None:
             try:
                 img = load_image(image, self.cfg.patch, self.cfg.max_image_side)
@@ -94,13 +101,13 @@ class LLMEngine:
         self.scheduler.release(seq)
         self.scheduler.remove_waiting(seq)
         seq.swapped = None
-        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.perf_counter()
+        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time.monotonic()
         emit("request.finish", id=seq.id, reason=reason, tokens=len(seq.output))
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
         if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
+            seq.first_token_time = time.monotonic()
         if seq.params.stop_token is not None and token == seq.params.stop_token:
             self._finish(seq, "stop")
         elif len(seq.output) >= seq.params.max_tokens:

@@ -2,8 +2,9 @@
 
 ``prefill`` runs one sequence's prompt through every layer, fills its pages and state slot, and
 returns the logits of its last position; ``decode`` runs one token for a batch of sequences,
-reading and writing the caches in place.  ``layer_done`` (when set) is called after each layer of
-a prefill: the disaggregated prefill worker hooks the KV transfer there (Layer Split).
+reading and writing the caches in place.  ``mixer_done`` (when set) is called in a prefill as soon
+as a layer's KV or state is final, before its FFN: the disaggregated prefill worker hooks the KV
+transfer there (Layer Split), so a stage moves while the layer's MoE computes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from target_stack.engine.cache import PagedKV, StatePool
 from target_stack.engine.sequence import Sequence
 from target_stack.model.kda_layer import CONV
-from target_stack.model.layers import sparse_attention, sparse_decode_attention
+from target_stack.model.layers import MoE, sparse_attention, sparse_decode_attention
 from target_stack.model.model import HybridModel
 
 
@@ -38,7 +39,8 @@ class ModelRunner:
                 channels = cfg.heads * (2 * cfg.head_k + cfg.head_v)
                 self.states[i] = StatePool(num_slots, cfg.heads, cfg.head_k, cfg.head_v, CONV - 1, channels,
                                            self.device, self.dtype)
-        self.layer_done: Callable[[Sequence, int], None] | None = None
+        self.mixer_done: Callable[[Sequence, int], None] | None = None
+        self.graphs: CudaGraphDecoder | None = None
 
     # -- prefill ----------------------------------------------------------------------------------
     def _positions(self, seq: Sequence, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +69,10 @@ class ModelRunner:
                 pool = self.states[i]
                 pool.kda[seq.slot] = state.kda[0]
                 pool.conv[seq.slot] = state.conv[0].to(pool.conv.dtype)
+            if self.mixer_done is not None:
+                self.mixer_done(seq, i)
             h = h + mix
             h = h + block.ffn(block.norm2(h))
-            if self.layer_done is not None:
-                self.layer_done(seq, i)
         return F.linear(model.norm(h[0, -1:]), model.lm_head)[0]
 
     # -- decode -----------------------------------------------------------------------------------
@@ -81,7 +83,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's newest token; logits [B, vocab]."""
+        """Feed each sequence's newest token; logits [B, vocab].  Through a captured CUDA graph
+        when the runner has a graph decoder and the batch fits its largest bucket."""
+        if self.graphs is not None and len(seqs) <= self.graphs.buckets[-1]:
+            return self.graphs.run(seqs)
         tokens = torch.tensor([s.output[-1] for s in seqs], device=self.device)
         lengths = torch.tensor([s.length for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
@@ -90,13 +95,14 @@ class ModelRunner:
         return self.decode_step(tokens, lengths, slots, table)
 
     def decode_step(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                    table: torch.Tensor) -> torch.Tensor:
-        """The tensor-only decode step (no host synchronisation outside the MoE's grouping)."""
+                    table: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """The tensor-only decode step.  ``static``: no host synchronisation anywhere (the MoE's
+        graph-safe form), as a CUDA graph capture requires."""
         model, cfg = self.model, self.cfg
         pos = lengths - 1
         page = table.gather(1, (pos // self.page_size)[:, None])[:, 0]
         offset = pos % self.page_size
-        h = model.embed_tokens(tokens)[:, None]  # [B, 1, dim]
+        h = model.embed_tokens(tokens, check=False)[:, None]  # [B, 1, dim]: the sampler's own tokens
         for i, block in enumerate(model.blocks):
             x = block.norm1(h)
             if block.is_attn:
@@ -110,8 +116,12 @@ class ModelRunner:
                 pool = self.states[i]
                 mix = block.mixer.decode_pooled(x, pool.conv, pool.kda, slots)
             h = h + mix
-            h = h + block.ffn(block.norm2(h))
+            y = block.norm2(h)
+            h = h + (block.ffn.forward_static(y) if static and isinstance(block.ffn, MoE) else block.ffn(y))
         return F.linear(model.norm(h[:, 0]), model.lm_head)
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        self.graphs = CudaGraphDecoder(self, max_batch, math.ceil(max_model_len / self.page_size))
 
     # -- preemption by swapping -------------------------------------------------------------------
     def swap_out(self, seq: Sequence) -> dict:
@@ -134,3 +144,71 @@ class ModelRunner:
             kda, conv = saved["state"][i]
             pool.kda[seq.slot] = kda.to(self.device)
             pool.conv[seq.slot] = conv.to(self.device)
+
+
+class CudaGraphDecoder:
+    """Decode steps replayed from CUDA graphs, one per batch-size bucket, captured on first use.
+
+    The graph reads static buffers (tokens, lengths, slots, block table of a fixed width); a batch
+    of n is padded to the next bucket with rows that point at the null slot and the reserved page
+    0, so padding reads zeros, writes nothing anyone reads, and costs one bucket's work.
+    """
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+    def __init__(self, runner: ModelRunner, max_batch: int, max_pages: int):
+        self.runner = runner
+        self.buckets = sorted({b for b in self.BUCKETS if b < max_batch} | {max_batch})
+        n, dev = self.buckets[-1], runner.device
+        self.max_pages = max_pages
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self.lengths = torch.ones(n, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.table = torch.zeros(n, max_pages, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _pad(self) -> None:
+        self.tokens.zero_()
+        self.lengths.fill_(1)
+        self.slots.zero_()
+        self.table.zero_()
+
+    def capture(self, b: int) -> None:
+        self._pad()  # warm-up and capture see padding only: no sequence's state moves
+        args = (self.tokens[:b], self.lengths[:b], self.slots[:b], self.table[:b])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):  # compile kernels, settle the allocator and the MoE path choice
+                self.runner.decode_step(*args, static=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            self.outputs[b] = self.runner.decode_step(*args, static=True)
+        self.pool = graph.pool()
+        self.graphs[b] = graph
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        n = len(seqs)
+        b = next(x for x in self.buckets if x >= n)
+        if b not in self.graphs:
+            self.capture(b)
+        pages = max(len(s.pages) for s in seqs)
+        if pages > self.max_pages:
+            raise ValueError(f"a sequence holds {pages} pages, more than the graph's {self.max_pages}")
+        host = torch.zeros(3 + self.max_pages, b, dtype=torch.long)
+        host[1].fill_(1)
+        host[0, :n] = torch.tensor([s.output[-1] for s in seqs])
+        host[1, :n] = torch.tensor([s.length for s in seqs])
+        host[2, :n] = torch.tensor([s.slot for s in seqs])
+        for row, s in enumerate(seqs):
+            host[3:3 + len(s.pages), row] = torch.tensor(s.pages)
+        dev = host.to(self.runner.device, non_blocking=False)
+        self.tokens[:b].copy_(dev[0])
+        self.lengths[:b].copy_(dev[1])
+        self.slots[:b].copy_(dev[2])
+        self.table[:b].copy_(dev[3:].t())
+        self.graphs[b].replay()
+        return self.outputs[b][:n]

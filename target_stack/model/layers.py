@@ -41,6 +41,9 @@ class SwiGLU(torch.nn.Module):
         return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
 
 
+NATIVE_CHUNK = 32  # tokens per call of the native MoE dispatch
+
+
 class MoE(torch.nn.Module):
     """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
 
@@ -87,7 +90,11 @@ class MoE(torch.nn.Module):
         if self.backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32:
             from target_stack.engine.native import moe_dispatch_combine
 
-            out = moe_dispatch_combine(x2, idx, w, *self.stacked_weights())
+            weights = self.stacked_weights()
+            # token chunks bound the extension's scratch memory (and each call's length)
+            out = torch.cat([moe_dispatch_combine(x2[s:s + NATIVE_CHUNK], idx[s:s + NATIVE_CHUNK],
+                                                  w[s:s + NATIVE_CHUNK], *weights)
+                             for s in range(0, x2.shape[0], NATIVE_CHUNK)])
             return (out + self.shared(x2).float()).reshape(shape)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
@@ -103,6 +110,75 @@ class MoE(torch.nn.Module):
             start += n
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
+
+    def forward_static(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE with no host synchronisation, for decode steps captured in a CUDA graph.
+
+        On a GPU where ``torch._grouped_mm`` works (bf16, Hopper), the (token, expert) pairs are
+        sorted by expert and run as two grouped GEMMs with device-side offsets; elsewhere every
+        expert runs on every token and the routing weights (zero off the top-k) mask the result,
+        which reads each expert's weights once: the same bytes as grouped once a batch touches
+        most experts.
+        """
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w, idx = self.route(x2)
+        if self._grouped_ok(x2):
+            out = self._grouped(x2, w, idx)
+        else:
+            wg, wu, wd = (t.to(x.dtype) for t in self.stacked_weights())
+            dense_w = torch.zeros(x2.shape[0], len(self.experts), device=x.device).scatter_(1, idx, w)
+            act = F.silu(torch.einsum("td,ehd->teh", x2, wg)) * torch.einsum("td,ehd->teh", x2, wu)
+            out = torch.einsum("teh,edh->td", act * dense_w.to(x.dtype)[..., None], wd).float()
+        out += self.shared(x2).float()
+        return out.to(x.dtype).reshape(shape)
+
+    def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        wg, wu, wd = self.stacked_weights()
+        key = ("grouped", dtype, wg.data_ptr())
+        if getattr(self, "_grouped_cache", (None,))[0] != key:
+            gate_up = torch.cat([wg, wu], dim=1).transpose(1, 2).contiguous().to(dtype)  # [E, D, 2H]
+            down = wd.transpose(1, 2).contiguous().to(dtype)  # [E, H, D]
+            self._grouped_cache = (key, gate_up, down)
+        return self._grouped_cache[1], self._grouped_cache[2]
+
+    def _grouped(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._grouped_weights(x2.dtype)
+        E = len(self.experts)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // self.top_k
+        counts = torch.zeros(E, dtype=torch.int32, device=x2.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = torch._grouped_mm(x2[tok], gate_up, offs=offs)
+        g, u = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(g) * u, down, offs=offs)
+        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
+        return out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+
+    def _grouped_ok(self, x2: torch.Tensor) -> bool:
+        """Whether the grouped-GEMM path works here: checked once per device and dtype against the
+        masked dense form (a private torch API: verify, never assume)."""
+        if not (x2.is_cuda and x2.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+            return False
+        key = (x2.device, x2.dtype)
+        cache = MoE._grouped_support
+        if key not in cache:
+            try:
+                probe = torch.randn(8, x2.shape[-1], device=x2.device, dtype=x2.dtype)
+                w, idx = self.route(probe)
+                got = self._grouped(probe, w, idx)
+                wg, wu, wd = (t.to(probe.dtype) for t in self.stacked_weights())
+                dense_w = torch.zeros(8, len(self.experts), device=probe.device).scatter_(1, idx, w)
+                act = F.silu(torch.einsum("td,ehd->teh", probe, wg)) * torch.einsum("td,ehd->teh", probe, wu)
+                ref = torch.einsum("teh,edh->td", act * dense_w.to(probe.dtype)[..., None], wd).float()
+                cache[key] = bool(((got - ref).norm() / ref.norm().clamp_min(1e-6)) < 2e-2)
+            except Exception:  # noqa: BLE001 - unsupported here: the dense form it is
+                cache[key] = False
+        return cache[key]
+
+    _grouped_support: dict = {}
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

@@ -188,8 +188,10 @@ class HybridModel(torch.nn.Module):
         if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab})")
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.check_tokens(tokens)
+    def embed_tokens(self, tokens: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """``check=False`` skips the range check (a host sync): decode feeds the sampler's own tokens."""
+        if check:
+            self.check_tokens(tokens)
         return F.embedding(tokens, self.embed)
 
     def _run(self, tokens: torch.Tensor, ref: bool, prefix: torch.Tensor | None = None) -> torch.Tensor:
