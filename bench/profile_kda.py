@@ -2,7 +2,7 @@
 
     python bench/profile_kda.py
 
-A development tool: it times each of chunk_kda's three kernels separately across launch
+A development tool: it times each of chunk_kda's kernels separately across launch
 variants, and splits the eager decode call into validation, allocation and launch.
 """
 
@@ -40,27 +40,39 @@ def prefill(T=4096, H=16, K=128, V=128):
     o = torch.empty_like(v)
     scale = K**-0.5
     print(f"prefill T={T} H={H} K={K} V={V}: {NT} chunks")
+    def timed(name, fn):
+        try:
+            print(f"  {name}: {do_bench(fn) * 1e3:8.1f} us")
+        except Exception as e:  # noqa: BLE001
+            print(f"  {name}: {type(e).__name__} {str(e)[:100]}")
+
+    timed("cumsum", lambda: C._kda_cumsum_kernel[(NT, H)](g, gc, cu, seq, pos, H=H, K=K, BT=BT, BK=BK))
     for BKC in (8, 16, 32):
-        for nw in (4, 8):
+        for nw in (1, 2, 4):
             for lowp in (True, False):
-                try:
-                    t = do_bench(lambda: C._kda_intra_kernel[(NT, H)](
-                        q, k, v, g, beta, gc, Akk, w, u, Pqk, cu, seq, pos, scale, H=H, K=K, V=V, BT=BT, BC=16,
-                        BK=BK, BV=32, BKC=BKC, LOG2_BT=6, LOWP=lowp, DOT_PRECISION="tf32x3", INV_PRECISION="tf32" if lowp else "tf32x3", num_warps=nw))
-                    print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {t * 1e3:8.1f} us")
-                except Exception as e:  # noqa: BLE001
-                    print(f"  intra  BKC={BKC} warps={nw} lowp={lowp}: {type(e).__name__} {str(e)[:80]}")
-    for lowp, prec in ((True, "tf32x3"), (False, "tf32x3"), (False, "tf32")):
-        for BV in (32, 64):
-            for nw in (4, 8):
-                try:
-                    t = do_bench(lambda: C._kda_state_kernel[(triton.cdiv(V, BV), 1, H)](
-                        k, gc, w, u, v_new, h, None, ht, cu, offs, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                        USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, LOWP=lowp, DOT_PRECISION=prec,
-                        num_warps=nw, num_stages=2))
-                    print(f"  state  lowp={lowp} {prec:6s} BV={BV} warps={nw}: {t * 1e3:8.1f} us")
-                except Exception as e:  # noqa: BLE001
-                    print(f"  state  lowp={lowp} {prec:6s} BV={BV} warps={nw}: {type(e).__name__} {str(e)[:80]}")
+                timed(f"blocks BKC={BKC} warps={nw} lowp={lowp}", lambda: C._kda_intra_block_kernel[(NT, 10, H)](
+                    q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
+                    LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
+    for BKC in (8, 16):
+        for nw in (2, 4):
+            timed(f"rows   BKC={BKC} warps={nw} lowp=True", lambda: C._kda_intra_row_kernel[(NT, 4, H)](
+                q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
+                LOWP=True, DOT_PRECISION="tf32x3", num_warps=nw))
+    kd = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda")
+    wb, ub = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda"), torch.empty(1, T, H, V, dtype=torch.bfloat16, device="cuda")
+    for nw in (4, 8):
+        for lowp in (True,):
+            for BV in (32, 64):
+                timed(f"solve  warps={nw} lowp={lowp} BV={BV}", lambda: C._kda_solve_kernel[(NT, H)](
+                    k, v, beta, gc, Akk, wb, ub, kd, cu, seq, pos, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOG2_BT=6,
+                    LOWP=lowp, DOT_PRECISION="tf32x3", INV_PRECISION="tf32" if lowp else "tf32x3", num_warps=nw))
+    for BV in (32, 64):
+        for nw in (4, 8):
+            for stages in (1, 2, 3):
+                timed(f"state  BV={BV} warps={nw} stages={stages}", lambda: C._kda_state_kernel[(triton.cdiv(V, BV), 1, H)](
+                    kd, gc, wb, ub, v_new, h, None, ht, cu, offs, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+                    USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, LOWP=True, DOT_PRECISION="tf32x3",
+                    num_warps=nw, num_stages=stages))
     for lowp in (True, False):
         for BV in (32, 64):
             for nw in (4, 8):

@@ -49,7 +49,7 @@ def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
 
 @probe(kind="correctness")
 def chunk_correctness(ctx: ProbeContext) -> None:
-    _sweep(ctx, chunk_kda, CHUNK, "_kda_intra_kernel/_kda_state_kernel/_kda_output_kernel")
+    _sweep(ctx, chunk_kda, CHUNK, "_kda_intra_block_kernel/_kda_solve_kernel/_kda_state_kernel/_kda_output_kernel")
 
 
 @probe(kind="correctness")

@@ -1,12 +1,13 @@
 """Chunked KDA prefill in Triton (forward only).
 
-Three kernels, the usual split of a chunked linear-attention forward:
+Five kernels, the usual split of a chunked linear-attention forward:
 
-1. ``_kda_intra_kernel`` (one program per chunk and head, all chunks in parallel): within-chunk
-   cumulative decay G, the strictly lower matrix L[i, j] = b_i <k_i, k_j exp(G_i - G_j)>, the UT
-   transform T = (I + L)^-1 Diag(b) by forward substitution, w = T (exp(G) k), u = T v, and the
-   causal score matrix P[i, j] = scale <q_i, k_j exp(G_i - G_j)>.  Every exponent is a difference
-   G_i - G_j with j <= i, built one column at a time, so no decay can overflow.
+1. intra-chunk work, all chunks in parallel: ``_kda_cumsum_kernel`` (the within-chunk cumulative
+   decay G), ``_kda_intra_block_kernel`` (one 16 x 16 block of the strictly lower matrix
+   L[i, j] = <k_i, k_j exp(G_i - G_j)> and of the causal scores P[i, j] = scale <q_i, k_j
+   exp(G_i - G_j)> per program: ten blocks per chunk run side by side), ``_kda_solve_kernel``
+   (the UT transform T = (I + Diag(b) L)^-1 Diag(b) by recursive doubling, w = T (exp(G) k),
+   u = T v).  Every exponent is a difference G_i - G_j with j <= i, so no decay can overflow.
 2. ``_kda_state_kernel`` (one program per sequence, head and V tile; sequential over chunks):
    stores the state entering each chunk, the effective values u' = u - w S, and advances
    S <- Diag(exp(G_C)) S + (k exp(G_C - G))^T u'.
@@ -32,8 +33,10 @@ CHUNK_SIZE = 64
 def _dot(a, b, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a @ b: on 16-bit operands when the inputs were 16-bit (LOWP), else fp32 at DOT_PRECISION."""
     if LOWP:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), input_precision=DOT_PRECISION)
-    return tl.dot(a, b, input_precision=DOT_PRECISION)
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), input_precision=DOT_PRECISION)
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+    return out
 
 
 @triton.jit
@@ -46,82 +49,145 @@ def _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _kda_intra_kernel(
-    q, k, v, g, beta, gc, Akk, w, u, Pqk,
-    cu_seqlens, chunk_seq, chunk_pos,
-    scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr,
-    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr,
+def _kda_cumsum_kernel(
+    g, gc, cu_seqlens, chunk_seq, chunk_pos,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
+    """G: the cumulative log decay within each chunk (one program per chunk and head)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_tk = ((t0 + rows) < eos)[:, None] & (o_k < K)[None, :]
+    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(gc + off_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
 
+
+@triton.jit
+def _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j,
+                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                   LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Block (i, j), j < i: two products gated around the reference G_r, the cumulative decay just
+    before block i (G_i <= G_r <= G_j, so both gates are <= 1)."""
+    sub = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    r_i = t0 + i_i * BC + sub
+    m_i = r_i < eos
+    m_ik = m_i[:, None] & m_k[None, :]
+    off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
+    g_ref = tl.load(gc + ((t0 + i_i * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+    b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+    b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
+    gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
+    r_j = t0 + i_j * BC + sub  # block j lies before block i: every row is inside the sequence
+    m_jk = (r_j < eos)[:, None] & m_k[None, :]
+    off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
+    b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
+    b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
+    b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
+    off_ij = (r_i * H + i_h)[:, None] * BT + i_j * BC + sub[None, :]
+    tl.store(Akk + off_ij, _dot(b_ki * gate_i, b_kgj, LOWP, DOT_PRECISION), mask=m_i[:, None])
+    tl.store(Pqk + off_ij, _dot(b_qi * gate_i, b_kgj, LOWP, DOT_PRECISION) * scale, mask=m_i[:, None])
+
+
+@triton.jit
+def _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i,
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                BKC: tl.constexpr):
+    """Block (i, i), built exactly as [BC, BC, BKC] products with the exponent masked to j <= i
+    before exp(): no exponent is ever positive, padding rows never reach exp()."""
+    sub = tl.arange(0, BC)
+    o_c = tl.arange(0, BKC)
+    r_i = t0 + i_i * BC + sub
+    m_i = r_i < eos
+    valid = ((sub[:, None] >= sub[None, :]) & (m_i[:, None] & m_i[None, :]))[:, :, None]
+    b_L = tl.zeros([BC, BC], dtype=tl.float32)
+    b_P = tl.zeros([BC, BC], dtype=tl.float32)
+    for kk in range(0, BK, BKC):
+        m_c = m_i[:, None] & (kk + o_c < K)[None, :]
+        off_c = (r_i * H + i_h)[:, None] * K + kk + o_c[None, :]
+        b_qc = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
+        b_kc = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+        b_gcc = tl.load(gc + off_c, mask=m_c, other=0.0)
+        b_kd3 = b_kc[None, :, :] * tl.exp(tl.where(valid, b_gcc[:, None, :] - b_gcc[None, :, :], float("-inf")))
+        b_L += tl.sum(b_kc[:, None, :] * b_kd3, axis=2)
+        b_P += tl.sum(b_qc[:, None, :] * b_kd3, axis=2)
+    off_ii = (r_i * H + i_h)[:, None] * BT + i_i * BC + sub[None, :]
+    tl.store(Akk + off_ii, b_L, mask=m_i[:, None])
+    tl.store(Pqk + off_ii, b_P * scale, mask=m_i[:, None])
+
+
+@triton.jit
+def _kda_intra_block_kernel(
+    q, k, gc, Akk, Pqk,
+    cu_seqlens, chunk_seq, chunk_pos,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One [BC, BC] block (i, j), j <= i, of L[i, j] = <k_i, k_j exp(G_i - G_j)> and
+    P[i, j] = scale <q_i, k_j exp(G_i - G_j)> per program: grid (chunks, NC (NC + 1) / 2, heads)."""
+    i_c = tl.program_id(0)
+    i_p = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_i = 0
+    for r in tl.static_range(1, NC):  # pair index p = i (i + 1) / 2 + j
+        i_i += (i_p >= r * (r + 1) // 2).to(tl.int32)
+    i_j = i_p - i_i * (i_i + 1) // 2
+    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
+    if t0 + i_i * BC < eos:  # blocks wholly past the sequence end (short last chunk) are skipped
+        if i_j < i_i:
+            _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j, H, K, BT, BC, BK, LOWP, DOT_PRECISION)
+        else:
+            _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK, BKC)
+
+
+@triton.jit
+def _kda_intra_row_kernel(
+    q, k, gc, Akk, Pqk,
+    cu_seqlens, chunk_seq, chunk_pos,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The same blocks, one row of blocks (i, 0..i) per program: grid (chunks, NC, heads)."""
+    i_c = tl.program_id(0)
+    i_i = tl.program_id(1)
+    i_h = tl.program_id(2)
+    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
+    if t0 + i_i * BC < eos:
+        for i_j in tl.static_range(NC - 1):
+            if i_j < i_i:
+                _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j, H, K, BT, BC, BK, LOWP,
+                               DOT_PRECISION)
+        _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK, BKC)
+
+
+@triton.jit
+def _kda_solve_kernel(
+    k, v, beta, gc, Akk, w, u, kd,
+    cu_seqlens, chunk_seq, chunk_pos,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr,
+):
+    """The UT transform T = (I + Diag(b) L)^-1 Diag(b) of one chunk and head, then w = T (exp(G) k),
+    u = T v, and kd = k exp(G_last - G), the keys decayed to the chunk's end that the sequential
+    state kernel needs (computed here, in parallel, instead of inside its loop).  w, u and kd are
+    stored in their buffers' dtype: 16-bit for 16-bit inputs, as the products take them anyway."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     m_t = (t0 + rows) < eos
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
     off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-
-    # Cumulative log decay G within the chunk.
-    b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(gc + off_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
-    tl.debug_barrier()
-
-    # L[i, j] = <k_i, k_j exp(G_i - G_j)> (j < i) and P[i, j] = <q_i, k_j exp(G_i - G_j)> (j <= i),
-    # by sub-blocks of BC rows.  Off-diagonal blocks are two products gated around a reference
-    # G_r, the cumulative decay just before block i: G_i <= G_r <= G_j, so both gates are <= 1.
-    # Diagonal blocks are built exactly, as [BC, BC, BKC] products with the exponent masked to
-    # j <= i before exp().  No exponent is ever positive; padding rows never reach exp().
-    sub = tl.arange(0, BC)
-    o_c = tl.arange(0, BKC)
-    diag = (sub[:, None] >= sub[None, :])[:, :, None]
-    for bi in tl.static_range(BT // BC):
-        if t0 + bi * BC < eos:  # blocks wholly past the sequence end (short last chunk) are skipped
-            r_i = t0 + bi * BC + sub
-            m_i = r_i < eos
-            m_ik = m_i[:, None] & m_k[None, :]
-            off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
-            off_ij = (r_i * H + i_h)[:, None] * BT
-            if bi > 0:
-                r_ref = tl.minimum(t0 + bi * BC, eos) - 1  # (past eos the whole block is padding)
-                g_ref = tl.load(gc + (r_ref * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-                b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-                b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
-                gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
-                b_kgi = b_ki * gate_i
-                b_qgi = b_qi * gate_i
-                for bj in tl.static_range(bi):
-                    r_j = t0 + bj * BC + sub
-                    m_jk = (r_j < eos)[:, None] & m_k[None, :]
-                    off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
-                    b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
-                    b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
-                    b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
-                    tl.store(Akk + off_ij + bj * BC + sub[None, :], _dot(b_kgi, b_kgj, LOWP, DOT_PRECISION),
-                             mask=m_i[:, None])
-                    tl.store(Pqk + off_ij + bj * BC + sub[None, :], _dot(b_qgi, b_kgj, LOWP, DOT_PRECISION) * scale,
-                             mask=m_i[:, None])
-            b_L = tl.zeros([BC, BC], dtype=tl.float32)
-            b_P = tl.zeros([BC, BC], dtype=tl.float32)
-            valid = diag & (m_i[:, None] & m_i[None, :])[:, :, None]
-            for kk in range(0, BK, BKC):
-                m_c = m_i[:, None] & (kk + o_c < K)[None, :]
-                off_c = (r_i * H + i_h)[:, None] * K + kk + o_c[None, :]
-                b_qc = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
-                b_kc = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
-                b_gcc = tl.load(gc + off_c, mask=m_c, other=0.0)
-                b_kd3 = b_kc[None, :, :] * tl.exp(tl.where(valid, b_gcc[:, None, :] - b_gcc[None, :, :], float("-inf")))
-                b_L += tl.sum(b_kc[:, None, :] * b_kd3, axis=2)
-                b_P += tl.sum(b_qc[:, None, :] * b_kd3, axis=2)
-            tl.store(Akk + off_ij + bi * BC + sub[None, :], b_L, mask=m_i[:, None])
-            tl.store(Pqk + off_ij + bi * BC + sub[None, :], b_P * scale, mask=m_i[:, None])
-    tl.debug_barrier()
-
     off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
     lower = rows[:, None] > cols[None, :]
     b_b = tl.load(beta + (t0 + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
@@ -143,18 +209,22 @@ def _kda_intra_kernel(
     b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
     b_kg = tl.where(m_tk, b_k * tl.exp(b_gc), 0.0)
-    tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION), mask=m_tk)
+    tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION).to(w.dtype.element_ty), mask=m_tk)
+    t_last = tl.minimum(t0 + BT, eos) - 1
+    g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
+    b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
+    tl.store(kd + off_tk, b_kd.to(kd.dtype.element_ty), mask=m_tk)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(u + off_tv, _dot(b_T, b_v, LOWP, DOT_PRECISION), mask=m_tv)
+        tl.store(u + off_tv, _dot(b_T, b_v, LOWP, DOT_PRECISION).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def _kda_state_kernel(
-    k, gc, w, u, v_new, h, h0, ht,
+    kd, gc, w, u, v_new, h, h0, ht,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -183,22 +253,20 @@ def _kda_state_kernel(
     i_c = 0
     t0 = bos
     while t0 < eos:
-        tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
+        tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         m_t = (t0 + rows) < eos
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
         off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
         b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
-        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0)
+        b_u = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - _dot(b_w, b_S, LOWP, DOT_PRECISION)
-        tl.store(v_new + off_tv, b_vn, mask=m_tv)
+        tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
 
         t_last = tl.minimum(t0 + BT, eos) - 1
         g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=m_k, other=0.0)
-        b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
-        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
+        b_kd = tl.load(kd + off_tk, mask=m_tk, other=0.0)  # k exp(G_last - G), zero past the end
         b_S = b_S * tl.exp(g_last)[:, None] + _dot(tl.trans(b_kd), b_vn, LOWP, DOT_PRECISION)
         i_c += 1
         t0 += BT
@@ -333,31 +401,41 @@ def chunk_kda_fwd(
     lowp = q.element_size() == 2 and not interpreting()
     f32 = dict(dtype=torch.float32, device=q.device)
     gc = alloc(B, T, H, K, **f32)
-    w = alloc(B, T, H, K, **f32)
-    u = alloc(B, T, H, V, **f32)
+    mid = dict(dtype=q.dtype if lowp else torch.float32, device=q.device)  # w, u, kd: what the products take
+    w = alloc(B, T, H, K, **mid)
+    u = alloc(B, T, H, V, **mid)
+    kd = alloc(B, T, H, K, **mid)
     Akk = alloc(B, T, H, BT, **f32)
     Pqk = alloc(B, T, H, BT, **f32)
     # The [BC, BC, BKC] decay products live in registers on a GPU; the interpreter prefers one slice.
-    BKC = BK if interpreting() else 16
-    _kda_intra_kernel[(NT, H)](
-        q, k, v, g, beta, gc, Akk, w, u, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, V=V, BT=BT, BC=16, BK=BK, BV=BV, BKC=BKC, LOG2_BT=BT.bit_length() - 1,
+    BC = 16
+    NC = BT // BC
+    BKC = BK if interpreting() else 8
+    _kda_cumsum_kernel[(NT, H)](g, gc, cu_seqlens, chunk_seq, chunk_pos, H=H, K=K, BT=BT, BK=BK)
+    _kda_intra_block_kernel[(NT, NC * (NC + 1) // 2, H)](
+        q, k, gc, Akk, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
+        H=H, K=K, BT=BT, BC=BC, BK=BK, BKC=BKC, NC=NC, LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
+    )
+    _kda_solve_kernel[(NT, H)](
+        k, v, beta, gc, Akk, w, u, kd, cu_seqlens, chunk_seq, chunk_pos,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOG2_BT=BT.bit_length() - 1,
         LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision, num_warps=4,
     )
-    h = alloc(NT, H, K, V, **f32)
-    v_new = alloc(B, T, H, V, **f32)
+    h = alloc(NT, H, K, V, **mid)  # per-chunk entering states and corrected values: read by
+    v_new = alloc(B, T, H, V, **mid)  # the output kernel's products only (16-bit for 16-bit inputs)
     ht = alloc(n_seq, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     NV = triton.cdiv(V, BV)
     _kda_state_kernel[(NV, n_seq, H)](
-        k, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
+        kd, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=8, num_stages=2,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=2,
     )
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
-    _kda_output_kernel[(NV, NT, H)](
+    BVO = min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
+    _kda_output_kernel[(triton.cdiv(V, BVO), NT, H)](
         q, gc, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOWP=lowp, DOT_PRECISION=precision,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, LOWP=lowp, DOT_PRECISION=precision, num_warps=8 if lowp else 4,
     )
     return o, ht
