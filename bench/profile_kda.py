@@ -53,11 +53,6 @@ def prefill(T=4096, H=16, K=128, V=128):
                 timed(f"blocks BKC={BKC} warps={nw} lowp={lowp}", lambda: C._kda_intra_block_kernel[(NT, 10, H)](
                     q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
                     LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
-    for BKC in (8, 16):
-        for nw in (2, 4):
-            timed(f"rows   BKC={BKC} warps={nw} lowp=True", lambda: C._kda_intra_row_kernel[(NT, 4, H)](
-                q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
-                LOWP=True, DOT_PRECISION="tf32x3", num_warps=nw))
     kd = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda")
     wb, ub = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda"), torch.empty(1, T, H, V, dtype=torch.bfloat16, device="cuda")
     for nw in (4, 8):

@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m target_stack.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     kda = sub.add_parser("kda", help="KDA decode and prefill kernels (GPU timings; CPU smoke)")
+    kda.add_argument("--only", choices=["decode", "prefill"], help="run one half only")
     kda.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/kda.json"),
                      help="where to write the JSON result (default: %(default)s)")
     serve = sub.add_parser("serve", help="serving workload: engine and disaggregated workers (TTFT, TPOT, "
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench == "kda":
         from target_stack.bench.kda import run
 
-        return run(args.json, console)
+        return run(args.json, console, args.only)
     if args.bench == "serve":
         from target_stack.bench.serve import run as run_serve
 

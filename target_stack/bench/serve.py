@@ -5,7 +5,7 @@ Workload: Poisson arrivals at ``rate`` requests/s (0: all at once), prompt and o
 uniformly from ranges, a share of multimodal requests (a random image in front of the prompt).
 
 Reported, on the same workload:
-- colocated engine: TTFT, TPOT (p50/p99) and output throughput;
+- colocated engine (on the GPU when there is one): TTFT, TPOT (p50/p99) and output throughput;
 - disaggregated (encode / prefill / decode processes, KV moved by the prefill's transfer thread):
   TTFT, TPOT, and the KV-transfer overhead = sum over requests of (prefill start -> transfer done)
   / sum of (prefill start -> prefill done) in a prefill-only run, minus 1; with the transfer
@@ -90,8 +90,11 @@ def _latency_stats(ttft: list[float], tpot: list[float], tokens: int, makespan: 
             "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0, "requests": len(ttft)}
 
 
-def run_colocated(preset: str, workload: Workload) -> dict:
-    engine = LLMEngine(preset, max_model_len=2048, num_pages=1024)
+def run_colocated(preset: str, workload: Workload, device: str | None = None) -> dict:
+    """The workload through one in-process engine (on the GPU when there is one: bf16, CUDA graphs)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else None
+    engine = LLMEngine(preset, device=device, dtype=dtype, max_model_len=2048, num_pages=1024)
     requests, arrivals = workload.build(engine.cfg.vocab, engine.cfg.patch)
     engine.generate([requests[0][0][:8]], SamplingParams(max_tokens=2))  # warm-up
     t0 = time.monotonic()
@@ -112,6 +115,7 @@ def run_colocated(preset: str, workload: Workload) -> dict:
     stats = _latency_stats(ttft, tpot, sum(len(o.tokens) for o in outs), makespan)
     stats["leaks"] = {k: len(v) for k, v in engine.leaks().items()}
     stats["preemptions"] = engine.preemptions
+    stats["device"] = device
     return stats
 
 
@@ -193,7 +197,7 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
     workload = Workload.parse(workload_spec)
     torch.set_num_threads(1)
     result: dict = {"preset": preset, "workload": dataclasses.asdict(workload), "date": time.strftime("%Y-%m-%d"),
-                    "device": "cpu", "torch": torch.__version__}
+                    "torch": torch.__version__, "disaggregated_workers": "cpu (native MoE dispatch)"}
     if only in (None, "engine"):
         result["engine"] = run_colocated(preset, workload)
     if only in (None, "disagg"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -144,8 +145,10 @@ class CachedLaunch:
                         compiled.run(grid[0], grid[1], grid[2], self._stream(device), compiled.function,
                                      compiled.packed_metadata, None, None, None, *args, *tail)
                         return
-                    except Exception:  # noqa: BLE001 - internals differ: use the generic path from now on
+                    except Exception as exc:  # noqa: BLE001 - internals differ: use the generic path from now on
                         self.enabled = False
+                        warnings.warn(f"{self.fn.__name__}: direct launch failed ({type(exc).__name__}: {exc}); "
+                                      "using Triton's generic launch path from now on", RuntimeWarning, stacklevel=2)
                 compiled = self.fn[grid](*args, **constexprs)
                 if self.enabled and hasattr(compiled, "run") and hasattr(compiled, "packed_metadata"):
                     names = self.fn.arg_names[len(args):]

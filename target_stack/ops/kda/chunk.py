@@ -147,27 +147,6 @@ def _kda_intra_block_kernel(
 
 
 @triton.jit
-def _kda_intra_row_kernel(
-    q, k, gc, Akk, Pqk,
-    cu_seqlens, chunk_seq, chunk_pos,
-    scale,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The same blocks, one row of blocks (i, 0..i) per program: grid (chunks, NC, heads)."""
-    i_c = tl.program_id(0)
-    i_i = tl.program_id(1)
-    i_h = tl.program_id(2)
-    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
-    if t0 + i_i * BC < eos:
-        for i_j in tl.static_range(NC - 1):
-            if i_j < i_i:
-                _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j, H, K, BT, BC, BK, LOWP,
-                               DOT_PRECISION)
-        _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK, BKC)
-
-
-@triton.jit
 def _kda_solve_kernel(
     k, v, beta, gc, Akk, w, u, kd,
     cu_seqlens, chunk_seq, chunk_pos,
