@@ -66,3 +66,25 @@ def test_the_native_call_releases_the_gil_and_a_pydll_load_would_not(gen):
     args = [256, D, H, E, 2] + [ctypes.c_void_p(t.data_ptr()) for t in (x, idx.contiguous(), w.contiguous(), *weights, out)]
     gap_held, wall_held = _heartbeat_during(lambda: held(*args))
     assert gap_held > 0.8 * wall_held
+
+
+def test_layout_wait_blocks_until_the_flag_then_sorts_pairs_by_expert(gen):
+    """The GPU path's dispatch waits for a flag the device writes; here a Python thread writes it,
+    which it can only do because the waiting call has released the GIL."""
+    import threading
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    experts = torch.randint(0, 6, (53,), generator=gen)
+    order, ends = torch.empty(53, dtype=torch.int64), torch.empty(6, dtype=torch.int64)
+    setter = threading.Timer(0.05, lambda: flag.fill_(3))
+    setter.start()
+    t0 = time.perf_counter()
+    got, got_ends = native.moe_layout_wait(flag, 3, experts, 6, order, ends, timeout_s=10)
+    waited = time.perf_counter() - t0
+    assert 0.04 < waited < 5
+    assert torch.equal(got, torch.argsort(experts, stable=True))
+    assert got_ends.tolist() == torch.bincount(experts, minlength=6).cumsum(0).tolist()
+    with pytest.raises(TimeoutError, match="did not publish"):
+        native.moe_layout_wait(flag, 4, experts, 6, order, ends, timeout_s=0.05)
+    with pytest.raises(ValueError, match="expert ids"):
+        native.moe_layout_wait(flag, 3, torch.full((53,), 9), 6, order, ends)

@@ -119,7 +119,7 @@ def run_colocated(preset: str, workload: Workload, device: str | None = None) ->
     return stats
 
 
-def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1) -> dict:
+def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1, device: str = "cpu") -> dict:
     """The workload through a prefill-only cluster and a full one, alive side by side (idle workers
     cost nothing) and run alternately ``repeats`` times; sums and latencies are medians over them."""
     from target_stack.engine.disagg import DisaggCluster
@@ -129,7 +129,10 @@ def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1) -
     requests, arrivals = workload.build(cfg.vocab, cfg.patch)
     warm = [(requests[0][0][:8], SamplingParams(max_tokens=2), None)]
     runs: dict[bool, list] = {False: [], True: []}
-    clusters = {t: DisaggCluster({"preset": preset}, stages=stages, transfer=t, num_pages=2048) for t in (False, True)}
+    max_len = workload.prompt[1] + workload.output[1] + 64  # image patches included
+    pages = max(2048, 2 * workload.requests * -(-max_len // 16))
+    clusters = {t: DisaggCluster({"preset": preset, "device": device}, stages=stages, transfer=t, num_pages=pages,
+                                 max_model_len=max_len) for t in (False, True)}
     try:
         for c in clusters.values():
             c.run(warm)
@@ -146,7 +149,7 @@ def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1) -
         pools = {t: c.close() for t, c in clusters.items()}
     prefill_only = statistics.median(sum(t.prefill_done - t.prefill_start for t in r.timings) for r, _ in runs[False])
     with_transfer = statistics.median(sum(t.transfer_done - t.prefill_start for t in r.timings) for r, _ in runs[True])
-    out: dict = {"stages": stages, "repeats": repeats, "prefill_only_s": prefill_only,
+    out: dict = {"stages": stages, "repeats": repeats, "device": device, "prefill_only_s": prefill_only,
                  "prefill_plus_transfer_s": with_transfer, "kv_transfer_overhead": with_transfer / prefill_only - 1}
     timings = [t for r, _ in runs[True] for t in r.timings]
     outs = [o for r, _ in runs[True] for o in r.outputs]
@@ -175,13 +178,14 @@ def _scenario_copy(name: str) -> pathlib.Path:
     return root
 
 
-def run_disagg_in_scenario(name: str, preset: str, workload_spec: str, stages: int, repeats: int) -> dict:
+def run_disagg_in_scenario(name: str, preset: str, workload_spec: str, stages: int, repeats: int,
+                           device: str = "cpu") -> dict:
     root = _scenario_copy(name)
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "target_stack.bench", "serve", "--preset", preset,
                                "--workload", workload_spec, "--stages", str(stages), "--only", "disagg",
-                               "--repeats", str(repeats),
+                               "--repeats", str(repeats), "--disagg-device", device,
                                "--print-json"], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"scenario {name} run failed:\n{proc.stderr[-2000:]}")
@@ -191,19 +195,20 @@ def run_disagg_in_scenario(name: str, preset: str, workload_spec: str, stages: i
 
 
 def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_gil: bool,
-        json_path: pathlib.Path | None, print_json: bool, console, repeats: int = 3) -> int:
+        json_path: pathlib.Path | None, print_json: bool, console, repeats: int = 3, disagg_device: str = "cpu") -> int:
     from rich.table import Table
 
     workload = Workload.parse(workload_spec)
     torch.set_num_threads(1)
     result: dict = {"preset": preset, "workload": dataclasses.asdict(workload), "date": time.strftime("%Y-%m-%d"),
-                    "torch": torch.__version__, "disaggregated_workers": "cpu (native MoE dispatch)"}
+                    "torch": torch.__version__, "disaggregated_workers": disagg_device}
     if only in (None, "engine"):
         result["engine"] = run_colocated(preset, workload)
     if only in (None, "disagg"):
-        result["disagg"] = run_disagg(preset, workload, stages, repeats)
+        result["disagg"] = run_disagg(preset, workload, stages, repeats, disagg_device)
     if compare_gil:
-        result["disagg_gil_held"] = run_disagg_in_scenario("gil-hold", preset, workload_spec, stages, repeats)
+        result["disagg_gil_held"] = run_disagg_in_scenario("gil-hold", preset, workload_spec, stages, repeats,
+                                                           disagg_device)
     if not print_json:
         table = Table(title=f"serve: preset={preset}, {workload_spec}")
         table.add_column("run")

@@ -48,14 +48,21 @@ class Timing:
     done: float = 0.0
 
 
-def _model(cfg_dict: dict, moe_backend: str | None = None):
-    from target_stack.model.model import HybridModel, ModelConfig, PRESETS
+def _model(cfg_dict: dict, moe_backend: str | None = None, on_device: bool = True):
+    """The worker's model from the cluster's config: {"preset", "device", field overrides...};
+    on a GPU in bf16."""
+    from target_stack.model.model import PRESETS, HybridModel
 
+    cfg_dict = dict(cfg_dict)
+    device = cfg_dict.pop("device", "cpu")
     base = PRESETS[cfg_dict.pop("preset", "tiny")]
     cfg = dataclasses.replace(base, **cfg_dict)
     if moe_backend:
         cfg = dataclasses.replace(cfg, moe_backend=moe_backend)
-    return HybridModel(cfg)
+    model = HybridModel(cfg)
+    if on_device and device != "cpu":
+        model = model.to(device=device, dtype=torch.bfloat16)
+    return model
 
 
 # -- encode ----------------------------------------------------------------------------------------
@@ -63,7 +70,7 @@ def encode_worker(cfg: dict, inbox: mp.Queue, prefill_inbox: mp.Queue, results: 
     from target_stack.model.image import ImageError, load_image
 
     torch.set_num_threads(1)
-    model = _model(cfg)
+    model = _model(cfg, on_device=False)  # images are small: the encoder stays on the CPU
     results.put(("ready", "encode"))
     while (msg := inbox.get()) is not _STOP:
         rid, prompt, params, image, timing = msg
@@ -92,12 +99,17 @@ class TransferEngine:
     def __init__(self, runner, remote: dict[str, torch.Tensor], ctl_send, ctl_recv, on_complete):
         self.runner, self.remote, self.ctl_send, self.ctl_recv = runner, remote, ctl_send, ctl_recv
         self.on_complete = on_complete
+        # on a GPU the copies run on their own stream, after the compute that produced them
+        self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
         self.thread.start()
 
     def submit(self, item: dict) -> None:
         emit("kv_transfer.submit", id=item["tid"], rid=item["rid"])
+        if self.stream is not None and item["kind"] == "stage":
+            item["event"] = torch.cuda.Event()
+            item["event"].record()  # the stage's KV and state are final at this point of the stream
         self.queue.put(item)
 
     def close(self) -> None:
@@ -138,7 +150,13 @@ class TransferEngine:
                     pass  # the reservation failed and was reported; nothing to move or announce
                 elif kind == "stage":
                     r = reservations[rid]
-                    moved = self._copy_stage(item["seq"], item["layers"], r["pages"], r["slot"])
+                    if self.stream is None:
+                        moved = self._copy_stage(item["seq"], item["layers"], r["pages"], r["slot"])
+                    else:
+                        self.stream.wait_event(item["event"])
+                        with torch.cuda.stream(self.stream):
+                            moved = self._copy_stage(item["seq"], item["layers"], r["pages"], r["slot"])
+                        self.stream.synchronize()
                 elif kind == "ready":
                     item["timing"].transfer_done = time.monotonic()
                     self.ctl_send.send(("ready", {k: v for k, v in item.items() if k != "seq"}))
@@ -235,6 +253,9 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
                        "params": params, "prompt": prompt, "num_prompt": seq.num_prompt, "timing": timing})
     if engine is not None:
         engine.close()
+        engine.remote.clear()  # drop the decode worker's (shared) pools before it may exit
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
         try:
             ctl_send.send(_STOP)
         except OSError:

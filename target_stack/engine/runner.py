@@ -53,7 +53,7 @@ class ModelRunner:
         model, cfg = self.model, self.cfg
         h = model.embed_tokens(torch.tensor(seq.prompt, device=self.device))
         if seq.prompt_embeds is not None:
-            h = torch.cat([seq.prompt_embeds.to(h.dtype), h])
+            h = torch.cat([seq.prompt_embeds.to(device=h.device, dtype=h.dtype), h])
         T = h.shape[0]
         page, offset = self._positions(seq, 0, T)
         h = h[None]

@@ -87,6 +87,8 @@ class MoE(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
+        if self.backend == "native" and x.is_cuda:
+            return (self._native_cuda(x2, w, idx) + self.shared(x2).float()).to(x.dtype).reshape(shape)
         if self.backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32:
             from target_stack.engine.native import moe_dispatch_combine
 
@@ -110,6 +112,42 @@ class MoE(torch.nn.Module):
             start += n
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
+
+    def _native_cuda(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The GPU prefill's MoE with a host-side dispatch layout (the native extension): the routing
+        goes to pinned host memory with a sequence number behind it; the native call waits for the
+        number (for the device to get there), sorts the pairs by expert, and the experts run on their
+        contiguous groups.  Host buffers are reused: the next layer's call writes them only after
+        its own flag, which the device publishes after this layer's uploads."""
+        from target_stack.engine.native import moe_layout_wait
+
+        P, E = idx.numel(), len(self.experts)
+        st = getattr(self, "_staging", None)
+        if st is None or st["idx"].numel() < P or st["dev_flag"].device != x2.device:
+            n = max(P, 1024)
+            pinned = dict(device="cpu", pin_memory=True)
+            st = self._staging = {"idx": torch.empty(n, dtype=torch.int64, **pinned),
+                                  "order": torch.empty(n, dtype=torch.int64, **pinned),
+                                  "ends": torch.empty(E, dtype=torch.int64, **pinned),
+                                  "flag": torch.zeros(1, dtype=torch.int32, **pinned),
+                                  "dev_flag": torch.zeros(1, dtype=torch.int32, device=x2.device), "seq": 0}
+        st["seq"] = st["seq"] % (2**30) + 1
+        host_idx = st["idx"][:P]
+        host_idx.copy_(idx.reshape(-1), non_blocking=True)
+        st["dev_flag"].fill_(st["seq"])
+        st["flag"].copy_(st["dev_flag"], non_blocking=True)  # stream order: after the routing copy
+        order, ends = moe_layout_wait(st["flag"], st["seq"], host_idx, E, st["order"][:P], st["ends"])
+        bounds = [0, *ends.tolist()]
+        order_d = order.to(x2.device, non_blocking=True)
+        tok = order_d // self.top_k
+        xs = x2[tok]
+        ws = w.reshape(-1)[order_d, None]
+        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
+        for e in range(E):  # contiguous groups, bounds known on the host: no device sync
+            a, b = bounds[e], bounds[e + 1]
+            if b > a:
+                out.index_add_(0, tok[a:b], self.experts[e](xs[a:b]).float() * ws[a:b])
+        return out
 
     def forward_static(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE with no host synchronisation, for decode steps captured in a CUDA graph.

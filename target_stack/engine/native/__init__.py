@@ -69,6 +69,10 @@ def library() -> ctypes.CDLL:
             fn = lib.ts_moe_dispatch_combine
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7
+            wait = lib.ts_moe_layout_wait
+            wait.restype = ctypes.c_int
+            wait.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
             _lib = lib
     return _lib
 
@@ -101,3 +105,26 @@ def moe_dispatch_combine(x: torch.Tensor, experts: torch.Tensor, weights: torch.
     if rc != 0:
         raise MemoryError("native MoE dispatch could not allocate its buffers")
     return out
+
+
+def moe_layout_wait(flag: torch.Tensor, expected: int, experts: torch.Tensor, num_experts: int, order: torch.Tensor,
+                    ends: torch.Tensor, timeout_s: float = 60.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wait until ``flag`` (host int32 [1], written by the device after the routing decisions)
+    reads ``expected``, then sort the pairs of ``experts`` (host int64 [P]) by expert into
+    ``order`` [P] and the group ends ``ends`` [E] (both host int64).  The GPU MoE path's dispatch:
+    the wait is for the device, which is where a call that keeps the GIL hurts most."""
+    for name, t in (("flag", flag), ("experts", experts), ("order", order), ("ends", ends)):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous host tensor")
+    P = experts.numel()
+    emit("dispatch.enter", tokens=P)
+    rc = library().ts_moe_layout_wait(_ptr(flag), int(expected), int(timeout_s * 1e6), _ptr(experts), P,
+                                      num_experts, _ptr(order), _ptr(ends))
+    emit("dispatch.exit", tokens=P)
+    if rc == -3:
+        raise TimeoutError(f"the device did not publish the routing within {timeout_s:g} s")
+    if rc == -1:
+        raise ValueError(f"expert ids must be in [0, {num_experts})")
+    if rc != 0:
+        raise MemoryError("native MoE layout could not allocate its buffer")
+    return order[:P], ends

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <time.h>
 
 static float dot(const float *a, const float *b, int64_t n) {
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -76,4 +77,38 @@ int ts_moe_dispatch_combine(int64_t T, int64_t D, int64_t H, int64_t E, int64_t 
 done:
     free(count); free(order); free(rows); free(hid); free(y);
     return rc;
+}
+
+/* The GPU path's dispatch layout.  The routing decisions of a layer are copied from the device
+ * into pinned host memory, followed (in stream order) by a sequence number into ``flag``.  This
+ * call waits until that number is visible, which is to say until the device has finished all the
+ * work queued before the routing, then sorts the (token, expert) pairs by expert:
+ * ``order`` [P] (pair indices grouped by expert) and ``offsets`` [E] (the end of each group).
+ * Returns 0, -1 on an expert id out of range, -2 out of memory, -3 after ``timeout_us`` without
+ * the flag.
+ */
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+int ts_moe_layout_wait(const volatile int32_t *flag, int32_t expected, int64_t timeout_us,
+                       const int64_t *experts, int64_t P, int64_t E, int64_t *order, int64_t *offsets) {
+    int64_t start = now_us();
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) != expected) {
+        if (now_us() - start > timeout_us) return -3;
+    }
+    for (int64_t e = 0; e < E; ++e) offsets[e] = 0;
+    for (int64_t p = 0; p < P; ++p) {
+        if (experts[p] < 0 || experts[p] >= E) return -1;
+        offsets[experts[p]]++;
+    }
+    for (int64_t e = 1; e < E; ++e) offsets[e] += offsets[e - 1]; /* group ends */
+    int64_t *fill = malloc((size_t)(E > 0 ? E : 1) * sizeof(int64_t));
+    if (!fill) return -2;
+    memcpy(fill, offsets, (size_t)E * sizeof(int64_t));
+    for (int64_t p = P - 1; p >= 0; --p) order[--fill[experts[p]]] = p; /* stable within a group */
+    free(fill);
+    return 0;
 }
