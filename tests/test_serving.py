@@ -3,8 +3,11 @@ the tiny model: real worker processes, real shared memory, a real HTTP server an
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,11 +16,14 @@ import time
 import openai
 import pytest
 import torch
+import yaml
 
 from target_stack.bench.serve import Workload, run_colocated
 from target_stack.engine import LLMEngine, RequestError, SamplingParams
 from target_stack.engine.disagg import DisaggCluster
 from target_stack.model.image import encode_ppm
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _prompts(gen: torch.Generator, lengths: list[int]) -> list[list[int]]:
@@ -120,6 +126,43 @@ def test_gil_hold_scenario_applies_and_the_release_playbook_transform_undoes_it(
         assert pydll_to_cdll(root, [match], {}) == ["target_stack/engine/native/__init__.py"]
         assert "ctypes.CDLL(str(build()))" in (root / "target_stack/engine/native/__init__.py").read_text()
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
+
+
+_PROBE = """
+import json, sys
+from feedback.probe import ProbeContext
+from target_stack.probes.engine import kv_transfer_events
+ctx = ProbeContext("engine.kv_transfer.events", json.loads(sys.argv[1]), ".")
+kv_transfer_events(ctx)
+import target_stack
+print(json.dumps({"ratio": ctx.metrics["transfer_stall_ratio"].value, "module": target_stack.__file__,
+                  "findings": [f.message for f in ctx.findings]}))
+"""
+
+
+def _stall_ratio(root: pathlib.Path, params: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(params)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_events_probe_separates_a_gil_holding_dispatch_from_a_releasing_one():
+    """The dense signal for the gil-hold scenario: in the patched tree a KV-transfer stage waits
+    about as long as a layer's native MoE calls; in this tree it moves beside them."""
+    from target_stack.bench.serve import _scenario_copy
+
+    manifest = yaml.safe_load((ROOT / "target_stack/infra-agent.yaml").read_text())
+    params = next(p for p in manifest["probes"] if p["id"] == "engine.kv_transfer.events")["params"]
+    held_root = _scenario_copy("gil-hold")
+    try:
+        released = _stall_ratio(ROOT, params)
+        held = _stall_ratio(held_root, params)
+    finally:
+        shutil.rmtree(held_root, ignore_errors=True)
+    assert held["module"].startswith(str(held_root))  # the probe ran the patched copy
+    assert released["ratio"] < params["max_stall_ratio"] < held["ratio"], (released, held)
+    assert held["findings"] and "GIL" in held["findings"][0]
+
