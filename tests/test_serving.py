@@ -36,14 +36,16 @@ def test_disaggregated_serving_equals_the_colocated_engine_and_frees_everything(
     params = SamplingParams(max_tokens=5)
     reference = LLMEngine("tiny").generate(prompts, params, images=[None, None, encode_ppm(image)])
     requests = [(prompts[0], params, None), (prompts[1], params, None), (prompts[2], params, encode_ppm(image)),
-                (prompts[0], params, b"GIF89a not an image"), ([], params, None)]
-    with DisaggCluster({"preset": "tiny"}, stages=2) as cluster:
+                (prompts[0], params, b"GIF89a not an image"), ([], params, None),
+                (prompts[1] * 2, params, None)]  # 260 prompt positions + 5 > max_model_len
+    with DisaggCluster({"preset": "tiny"}, stages=2, max_model_len=256) as cluster:
         result = cluster.run(requests)
         pools = cluster.close()
     outs = result.outputs
     assert [o.tokens for o in outs[:3]] == [o.tokens for o in reference]
     assert isinstance(outs[3], RequestError) and "unknown image format" in str(outs[3])
     assert isinstance(outs[4], RequestError) and "empty prompt" in str(outs[4])
+    assert isinstance(outs[5], RequestError) and "exceeds max_model_len" in str(outs[5])
     for t in result.timings[:3]:  # one clock across the processes, in causal order
         assert t.arrival <= t.prefill_start < t.prefill_done <= t.transfer_done <= t.first_token <= t.done
     assert pools == {"prefill": {"leaked_pages": 0, "leaked_slots": 0},

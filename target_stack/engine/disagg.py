@@ -172,7 +172,8 @@ class TransferEngine:
 
 
 def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_send, ctl_recv, pools: mp.Queue,
-                   results: mp.Queue, num_pages: int, page_size: int, num_slots: int) -> None:
+                   results: mp.Queue, num_pages: int, page_size: int, num_slots: int,
+                   max_model_len: int = 2048) -> None:
     from target_stack.engine.cache import FreeList
     from target_stack.engine.runner import ModelRunner
     from target_stack.engine.sampler import sample
@@ -220,6 +221,10 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
         seq = Sequence(prompt=prompt, params=params, id=rid)
         if embeds is not None:
             seq.prompt_embeds = torch.from_numpy(embeds)
+        if seq.num_prompt + params.max_tokens > max_model_len:  # image patches count: checked after encoding
+            results.put(("error", rid, f"prompt ({seq.num_prompt} positions) + max_tokens ({params.max_tokens}) "
+                                       f"exceeds max_model_len={max_model_len}"))
+            continue
         need = -(-(seq.num_prompt + 1) // page_size)
         try:
             seq.pages = pages.take(need, rid)
@@ -388,7 +393,7 @@ class DisaggCluster:
                                   args=(dict(self.cfg), self.encode_inbox, self.prefill_inbox, self.results)),
             "prefill": ctx.Process(target=prefill_worker, name="prefill", daemon=True,
                                    args=(dict(self.cfg), stages, transfer, self.prefill_inbox, ctl_send_p, ctl_recv_p,
-                                         pools, self.results, num_pages, page_size, num_slots)),
+                                         pools, self.results, num_pages, page_size, num_slots, max_model_len)),
         }
         if transfer:
             self.procs["decode"] = ctx.Process(target=decode_worker, name="decode", daemon=True,
