@@ -231,7 +231,6 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
             console.print(f"wrote {json_path}")
     if print_json:
         print(json.dumps(result))
-    leaks = [result[k].get("leaks") or result[k].get("pools") for k in ("engine", "disagg") if k in result]
-    leaked = any(v for d in leaks for v in (d.values() if isinstance(d, dict) else [])
-                 if (isinstance(v, int) and v) or (isinstance(v, dict) and any(v.values())))
+    leaked = (any(result.get("engine", {}).get("leaks", {}).values())
+              or any(any(worker.values()) for worker in result.get("disagg", {}).get("pools", {}).values()))
     return 1 if leaked or math.isnan(result.get("disagg", {}).get("kv_transfer_overhead", 0.0)) else 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from target_stack.engine.events import emit
-from target_stack.engine.sequence import RequestError, RequestOutput, SamplingParams, Sequence, Status
+from target_stack.engine.sequence import RequestError, RequestOutput, SamplingParams, Sequence
 
 _STOP = None
 
@@ -330,10 +330,7 @@ def decode_worker(cfg: dict, ctl_recv, ctl_send, pools: mp.Queue, results: mp.Qu
         t = timings[seq.id] = h["timing"]
         t.first_token = time.monotonic()
         seq.arrival = t.arrival
-        seq.status = Status.RUNNING
-        engine.seqs[seq.id] = seq
-        engine.scheduler.running.append(seq)
-        engine._append(seq, h["first"])
+        engine.adopt(seq, h["first"])
 
     receiver = threading.Thread(target=receive, name="kv-receive", daemon=True)
     receiver.start()
@@ -409,7 +406,7 @@ class DisaggCluster:
                 dead = [n for n, p in self.procs.items() if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self.close(timeout_s=1)
-                    raise RuntimeError(f"disaggregated workers failed to start: {', '.join(dead) or 'timeout'}")
+                    raise RuntimeError(f"disaggregated workers failed to start: {', '.join(dead) or 'timeout'}") from None
                 continue
             if kind == "ready":
                 waiting.discard(rest[0])

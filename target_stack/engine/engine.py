@@ -92,6 +92,14 @@ class LLMEngine:
         if not seq.finished:
             self._finish(seq, "cancelled")
 
+    def adopt(self, seq: Sequence, first_token: int) -> None:
+        """Take in a sequence prefilled elsewhere (a disaggregated prefill worker): its pages and
+        slot are already held and written; it joins the running batch with its first token."""
+        seq.status = Status.RUNNING
+        self.seqs[seq.id] = seq
+        self.scheduler.running.append(seq)
+        self._append(seq, first_token)
+
     def has_unfinished(self) -> bool:
         """Requests not yet returned by ``step`` (finished ones, cancelled ones included, are removed there)."""
         return bool(self.seqs)

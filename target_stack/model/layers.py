@@ -100,18 +100,23 @@ class MoE(torch.nn.Module):
             return (out + self.shared(x2).float()).reshape(shape)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
-        tok = order // self.top_k
-        counts = torch.bincount(flat_e, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x2, dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(counts):  # one grouped matmul per expert
-            if n:
-                rows = order[start:start + n]
-                y = self.experts[e](x2[tok[start:start + n]]).float()
-                out.index_add_(0, tok[start:start + n], y * w.reshape(-1)[rows, None])
-            start += n
+        ends = torch.bincount(flat_e, minlength=len(self.experts)).cumsum(0).tolist()
+        out = self._expert_groups(x2, w, order, ends)
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
+
+    def _expert_groups(self, x2: torch.Tensor, w: torch.Tensor, order: torch.Tensor, ends: list[int]) -> torch.Tensor:
+        """sum_k w[t, k] expert_k(x[t]) with the (token, expert) pairs already sorted by expert:
+        ``order`` holds the pair indices, ``ends`` (host ints) where each expert's group ends.
+        One matmul chain per expert over its contiguous group, never a loop over tokens."""
+        tok = order // self.top_k
+        xs = x2[tok]
+        ws = w.reshape(-1)[order, None]
+        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
+        for e, (a, b) in enumerate(zip([0, *ends], ends, strict=False)):
+            if b > a:
+                out.index_add_(0, tok[a:b], self.experts[e](xs[a:b]).float() * ws[a:b])
+        return out
 
     def _native_cuda(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The GPU prefill's MoE with a host-side dispatch layout (the native extension): the routing
@@ -137,17 +142,8 @@ class MoE(torch.nn.Module):
         st["dev_flag"].fill_(st["seq"])
         st["flag"].copy_(st["dev_flag"], non_blocking=True)  # stream order: after the routing copy
         order, ends = moe_layout_wait(st["flag"], st["seq"], host_idx, E, st["order"][:P], st["ends"])
-        bounds = [0, *ends.tolist()]
-        order_d = order.to(x2.device, non_blocking=True)
-        tok = order_d // self.top_k
-        xs = x2[tok]
-        ws = w.reshape(-1)[order_d, None]
-        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
-        for e in range(E):  # contiguous groups, bounds known on the host: no device sync
-            a, b = bounds[e], bounds[e + 1]
-            if b > a:
-                out.index_add_(0, tok[a:b], self.experts[e](xs[a:b]).float() * ws[a:b])
-        return out
+        # the group ends are already on the host: no device sync before the expert launches
+        return self._expert_groups(x2, w, order.to(x2.device, non_blocking=True), ends.tolist())
 
     def forward_static(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE with no host synchronisation, for decode steps captured in a CUDA graph.
@@ -161,15 +157,16 @@ class MoE(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
-        if self._grouped_ok(x2):
-            out = self._grouped(x2, w, idx)
-        else:
-            wg, wu, wd = (t.to(x.dtype) for t in self.stacked_weights())
-            dense_w = torch.zeros(x2.shape[0], len(self.experts), device=x.device).scatter_(1, idx, w)
-            act = F.silu(torch.einsum("td,ehd->teh", x2, wg)) * torch.einsum("td,ehd->teh", x2, wu)
-            out = torch.einsum("teh,edh->td", act * dense_w.to(x.dtype)[..., None], wd).float()
+        out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else self._masked_dense(x2, w, idx)
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
+
+    def _masked_dense(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, masked by the routing weights (zero off the top-k); fp32."""
+        wg, wu, wd = (t.to(x2.dtype) for t in self.stacked_weights())
+        dense_w = torch.zeros(x2.shape[0], len(self.experts), device=x2.device).scatter_(1, idx, w)
+        act = F.silu(torch.einsum("td,ehd->teh", x2, wg)) * torch.einsum("td,ehd->teh", x2, wu)
+        return torch.einsum("teh,edh->td", act * dense_w.to(x2.dtype)[..., None], wd).float()
 
     def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         wg, wu, wd = self.stacked_weights()
@@ -207,10 +204,7 @@ class MoE(torch.nn.Module):
                 probe = torch.randn(8, x2.shape[-1], device=x2.device, dtype=x2.dtype)
                 w, idx = self.route(probe)
                 got = self._grouped(probe, w, idx)
-                wg, wu, wd = (t.to(probe.dtype) for t in self.stacked_weights())
-                dense_w = torch.zeros(8, len(self.experts), device=probe.device).scatter_(1, idx, w)
-                act = F.silu(torch.einsum("td,ehd->teh", probe, wg)) * torch.einsum("td,ehd->teh", probe, wu)
-                ref = torch.einsum("teh,edh->td", act * dense_w.to(probe.dtype)[..., None], wd).float()
+                ref = self._masked_dense(probe, w, idx)
                 cache[key] = bool(((got - ref).norm() / ref.norm().clamp_min(1e-6)) < 2e-2)
             except Exception:  # noqa: BLE001 - unsupported here: the dense form it is
                 cache[key] = False
