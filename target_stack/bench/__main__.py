@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--disagg-device", default="cpu", choices=["cpu", "cuda"],
                        help="where the prefill and decode workers run (default: %(default)s; on cuda the native "
                             "dispatch waits for the device's routing)")
+    serve.add_argument("--transfer-copy", default="gather", choices=["gather", "page"],
+                       help="the transfer thread's copies: a gather-scatter per cache tensor, or one copy per page "
+                            "(default: %(default)s)")
     serve.add_argument("--compare-gil", action="store_true",
                        help="also run the disaggregated part with scenarios/gil-hold.patch applied")
     serve.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/serve.json"),
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         from target_stack.bench.serve import run as run_serve
 
         return run_serve(args.preset, args.workload, args.stages, args.only, args.compare_gil, args.json,
-                         args.print_json, console, args.repeats, args.disagg_device)
+                         args.print_json, console, args.repeats, args.disagg_device, args.transfer_copy)
     return 2  # pragma: no cover - argparse rejects unknown benchmarks
 
 

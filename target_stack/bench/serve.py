@@ -8,8 +8,10 @@ Reported, on the same workload:
 - colocated engine (on the GPU when there is one): TTFT, TPOT (p50/p99) and output throughput;
 - disaggregated (encode / prefill / decode processes, KV moved by the prefill's transfer thread):
   TTFT, TPOT, and the KV-transfer overhead = sum over requests of (prefill start -> transfer done)
-  / sum of (prefill start -> prefill done) in a prefill-only run, minus 1; with the transfer
-  latency (stage submitted -> copied) and the pool accounting of every worker;
+  / sum of (prefill start -> prefill done) in a prefill-only run, minus 1, where the decode worker
+  receives every sequence and frees it (so decode steps sharing the machine do not count as
+  transfer cost; that number, with decode running, is reported beside it); with the exposed
+  transfer (prefill done -> transfer done) and the pool accounting of every worker;
 - ``--compare-gil``: the disaggregated part again in a scratch copy of target_stack with
   ``scenarios/gil-hold.patch`` applied (the native MoE dispatch loaded so that it holds the GIL).
 """
@@ -119,50 +121,68 @@ def run_colocated(preset: str, workload: Workload, device: str | None = None) ->
     return stats
 
 
-def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1, device: str = "cpu") -> dict:
-    """The workload through a prefill-only cluster and a full one, alive side by side (idle workers
-    cost nothing) and run alternately ``repeats`` times; sums and latencies are medians over them."""
+def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1, device: str = "cpu",
+               copy: str = "gather") -> dict:
+    """The workload through two clusters alive side by side (idle workers cost nothing), run in
+    turn ``repeats`` times; sums and latencies are medians over the repeats:
+
+    - one whose decode worker frees each sequence on arrival, run without and then with the
+      transfer: the prefill-only baseline and the KV-transfer overhead, in the same processes;
+    - the full cluster (transfer, then decode): TTFT, TPOT, throughput, and the overhead again with
+      decode steps sharing the machine (one GPU, or this machine's cores), reported beside it.
+    """
     from target_stack.engine.disagg import DisaggCluster
     from target_stack.model.model import PRESETS
 
     cfg = PRESETS[preset]
     requests, arrivals = workload.build(cfg.vocab, cfg.patch)
     warm = [(requests[0][0][:8], SamplingParams(max_tokens=2), None)]
-    runs: dict[bool, list] = {False: [], True: []}
+    kinds = {"transfer": dict(decode=False), "full": dict()}
+    runs: dict[str, list] = {"prefill": [], "transfer": [], "full": []}
     max_len = workload.prompt[1] + workload.output[1] + 64  # image patches included
     pages = max(2048, 2 * workload.requests * -(-max_len // 16))
-    clusters = {t: DisaggCluster({"preset": preset, "device": device}, stages=stages, transfer=t, num_pages=pages,
-                                 max_model_len=max_len) for t in (False, True)}
+    clusters = {k: DisaggCluster({"preset": preset, "device": device}, stages=stages, copy=copy, num_pages=pages,
+                                 max_model_len=max_len, **kw) for k, kw in kinds.items()}
     try:
         for c in clusters.values():
             c.run(warm)
         for _ in range(repeats):
-            for transfer, cluster in clusters.items():  # A B A B: drift hits both alike
-                t0 = time.monotonic()
-                result = cluster.run(requests, arrivals)
+            for kind, cluster, move in (("prefill", clusters["transfer"], False),
+                                        ("transfer", clusters["transfer"], True), ("full", clusters["full"], True)):
+                t0 = time.monotonic()  # A B C A B C: drift hits all alike
+                result = cluster.run(requests, arrivals, transfer=move)
                 makespan = time.monotonic() - t0
                 errors = [str(o) for o in result.outputs if isinstance(o, Exception)]
                 if errors:
                     raise RuntimeError(f"disaggregated run failed: {errors[0]}")
-                runs[transfer].append((result, makespan))
+                runs[kind].append((result, makespan))
     finally:
-        pools = {t: c.close() for t, c in clusters.items()}
-    prefill_only = statistics.median(sum(t.prefill_done - t.prefill_start for t in r.timings) for r, _ in runs[False])
-    with_transfer = statistics.median(sum(t.transfer_done - t.prefill_start for t in r.timings) for r, _ in runs[True])
-    out: dict = {"stages": stages, "repeats": repeats, "device": device, "prefill_only_s": prefill_only,
-                 "prefill_plus_transfer_s": with_transfer, "kv_transfer_overhead": with_transfer / prefill_only - 1}
-    timings = [t for r, _ in runs[True] for t in r.timings]
-    outs = [o for r, _ in runs[True] for o in r.outputs]
-    exposed = [t.transfer_done - t.prefill_done for t in timings]
+        pools = {k: c.close() for k, c in clusters.items()}
+
+    def total(kind: str, end: str) -> float:
+        return statistics.median(sum(getattr(t, end) - t.prefill_start for t in r.timings) for r, _ in runs[kind])
+
+    prefill_only, with_transfer = total("prefill", "prefill_done"), total("transfer", "transfer_done")
+    with_decode = total("full", "transfer_done")
+    out: dict = {"stages": stages, "repeats": repeats, "device": device, "copy": copy,
+                 "prefill_only_s": prefill_only, "prefill_plus_transfer_s": with_transfer,
+                 "kv_transfer_overhead": with_transfer / prefill_only - 1,
+                 "prefill_plus_transfer_with_decode_s": with_decode,
+                 "overhead_with_decode": with_decode / prefill_only - 1}
+    exposed = [t.transfer_done - t.prefill_done for r, _ in runs["transfer"] for t in r.timings]
     out["exposed_transfer_ms_p50"] = 1e3 * _pct(exposed, 0.5)
     out["exposed_transfer_ms_p99"] = 1e3 * _pct(exposed, 0.99)
+    timings = [t for r, _ in runs["full"] for t in r.timings]
+    outs = [o for r, _ in runs["full"] for o in r.outputs]
     ttft = [t.first_token - t.arrival for t in timings]
     tpot = [(t.done - t.first_token) / (len(o.tokens) - 1) for t, o in zip(timings, outs, strict=True)
             if len(o.tokens) > 1]
-    makespan = statistics.median(m for _, m in runs[True])
-    out.update(_latency_stats(ttft, tpot, sum(len(o.tokens) for o in runs[True][0][0].outputs), makespan))
+    makespan = statistics.median(m for _, m in runs["full"])
+    out.update(_latency_stats(ttft, tpot, sum(len(o.tokens) for o in runs["full"][0][0].outputs), makespan))
     out["requests"] = len(requests)
-    out["pools"] = {**pools[True], "prefill_only": pools[False]["prefill"]}
+    unreported = {"unreported": 1}  # a worker that died before its accounting counts as a leak
+    out["pools"] = {**pools["full"], "transfer_prefill": pools["transfer"].get("prefill", unreported),
+                    "transfer_sink": pools["transfer"].get("decode", unreported)}
     return out
 
 
@@ -179,13 +199,13 @@ def _scenario_copy(name: str) -> pathlib.Path:
 
 
 def run_disagg_in_scenario(name: str, preset: str, workload_spec: str, stages: int, repeats: int,
-                           device: str = "cpu") -> dict:
+                           device: str = "cpu", copy: str = "gather") -> dict:
     root = _scenario_copy(name)
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.run([sys.executable, "-m", "target_stack.bench", "serve", "--preset", preset,
                                "--workload", workload_spec, "--stages", str(stages), "--only", "disagg",
-                               "--repeats", str(repeats), "--disagg-device", device,
+                               "--repeats", str(repeats), "--disagg-device", device, "--transfer-copy", copy,
                                "--print-json"], cwd=root, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"scenario {name} run failed:\n{proc.stderr[-2000:]}")
@@ -195,7 +215,8 @@ def run_disagg_in_scenario(name: str, preset: str, workload_spec: str, stages: i
 
 
 def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_gil: bool,
-        json_path: pathlib.Path | None, print_json: bool, console, repeats: int = 3, disagg_device: str = "cpu") -> int:
+        json_path: pathlib.Path | None, print_json: bool, console, repeats: int = 3, disagg_device: str = "cpu",
+        copy: str = "gather") -> int:
     from rich.table import Table
 
     workload = Workload.parse(workload_spec)
@@ -205,14 +226,15 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
     if only in (None, "engine"):
         result["engine"] = run_colocated(preset, workload)
     if only in (None, "disagg"):
-        result["disagg"] = run_disagg(preset, workload, stages, repeats, disagg_device)
+        result["disagg"] = run_disagg(preset, workload, stages, repeats, disagg_device, copy)
     if compare_gil:
         result["disagg_gil_held"] = run_disagg_in_scenario("gil-hold", preset, workload_spec, stages, repeats,
-                                                           disagg_device)
+                                                           disagg_device, copy)
     if not print_json:
         table = Table(title=f"serve: preset={preset}, {workload_spec}")
         table.add_column("run")
-        for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "KV-transfer overhead", "exposed transfer p50/p99 ms"):
+        for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "KV-transfer overhead", "exposed transfer p50/p99 ms",
+                    "overhead with decode"):
             table.add_column(col, justify="right")
         for key in ("engine", "disagg", "disagg_gil_held"):
             r = result.get(key)
@@ -221,8 +243,9 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
             ovh = f"{100 * r['kv_transfer_overhead']:.1f}%" if "kv_transfer_overhead" in r else "-"
             exp = (f"{r['exposed_transfer_ms_p50']:.1f} / {r['exposed_transfer_ms_p99']:.1f}"
                    if "exposed_transfer_ms_p50" in r else "-")
+            wd = f"{100 * r['overhead_with_decode']:.1f}%" if "overhead_with_decode" in r else "-"
             table.add_row(key, f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}",
-                          f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}", f"{r['throughput_tok_s']:.0f}", ovh, exp)
+                          f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}", f"{r['throughput_tok_s']:.0f}", ovh, exp, wd)
         console.print(table)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

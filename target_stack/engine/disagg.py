@@ -34,6 +34,7 @@ from target_stack.engine.events import emit
 from target_stack.engine.sequence import RequestError, RequestOutput, SamplingParams, Sequence
 
 _STOP = None
+COPY_MODES = ("gather", "page")
 
 
 @dataclass
@@ -73,7 +74,7 @@ def encode_worker(cfg: dict, inbox: mp.Queue, prefill_inbox: mp.Queue, results: 
     model = _model(cfg, on_device=False)  # images are small: the encoder stays on the CPU
     results.put(("ready", "encode"))
     while (msg := inbox.get()) is not _STOP:
-        rid, prompt, params, image, timing = msg
+        rid, prompt, params, image, timing, move = msg
         try:
             img = load_image(image, model.cfg.patch, model.cfg.max_image_side)
             with torch.no_grad():
@@ -81,7 +82,7 @@ def encode_worker(cfg: dict, inbox: mp.Queue, prefill_inbox: mp.Queue, results: 
         except ImageError as e:
             results.put(("error", rid, f"image: {e}"))
             continue
-        prefill_inbox.put((rid, prompt, params, embeds.numpy(), timing))
+        prefill_inbox.put((rid, prompt, params, embeds.numpy(), timing, move))
 
 
 # -- prefill ---------------------------------------------------------------------------------------
@@ -91,14 +92,17 @@ class TransferEngine:
     the decode worker reserved for it.  Items run in submission order:
 
     - ``reserve``: ask the decode worker for pages and a slot (a round trip on the control pipe);
-    - ``stage``: copy one Layer Split stage, page by page and slot by slot;
+    - ``stage``: copy one Layer Split stage (a gather-scatter per cache tensor, a copy per state);
     - ``ready``: tell the decode worker the sequence is complete (first token, sampling parameters);
     - ``abort``: tell it to free the reservation of a prefill that failed.
     """
 
-    def __init__(self, runner, remote: dict[str, torch.Tensor], ctl_send, ctl_recv, on_complete):
+    def __init__(self, runner, remote: dict[str, torch.Tensor], ctl_send, ctl_recv, on_complete,
+                 copy: str = "gather"):
+        if copy not in COPY_MODES:
+            raise ValueError(f"transfer copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
         self.runner, self.remote, self.ctl_send, self.ctl_recv = runner, remote, ctl_send, ctl_recv
-        self.on_complete = on_complete
+        self.on_complete, self.copy = on_complete, copy
         # on a GPU the copies run on their own stream, after the compute that produced them
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -117,14 +121,25 @@ class TransferEngine:
         self.thread.join()
 
     def _copy_stage(self, seq: Sequence, layers: list[int], dst_pages: list[int], dst_slot: int) -> int:
+        """One gather-scatter per cache tensor of each layer (the scatter list of a one-sided write),
+        not one copy per page: the thread's host work per stage stays a handful of calls.  ``copy="page"``
+        writes page by page instead (one call per page and tensor, as a transfer thread that posts a
+        descriptor per page does): the GIL-heavy form, kept for the GIL scenario's measurements."""
         moved = 0
+        n = min(len(seq.pages), len(dst_pages))
+        device = self.runner.device
+        src_idx = torch.tensor(seq.pages[:n], dtype=torch.long, device=device)
+        dst_idx = torch.tensor(dst_pages[:n], dtype=torch.long, device=device)
         for layer in layers:
             if layer in self.runner.kv:
-                local = self.runner.kv[layer].tensors()
-                for src, dst in zip(seq.pages, dst_pages, strict=False):
-                    for name, t in local.items():
-                        self.remote[f"kv.{layer}.{name}"][dst].copy_(t[src])
-                        moved += t[src].numel() * t.element_size()
+                for name, t in self.runner.kv[layer].tensors().items():
+                    remote = self.remote[f"kv.{layer}.{name}"]
+                    if self.copy == "gather":
+                        remote.index_copy_(0, dst_idx, t.index_select(0, src_idx))
+                    else:  # "page": one write per page, the host (and the GIL) in every one of them
+                        for src, dst in zip(seq.pages[:n], dst_pages[:n], strict=True):
+                            remote[dst].copy_(t[src])
+                    moved += n * t[0].numel() * t.element_size()
             else:
                 pool = self.runner.states[layer]
                 for name in ("kda", "conv"):
@@ -173,7 +188,7 @@ class TransferEngine:
 
 def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_send, ctl_recv, pools: mp.Queue,
                    results: mp.Queue, num_pages: int, page_size: int, num_slots: int,
-                   max_model_len: int = 2048) -> None:
+                   max_model_len: int = 2048, copy: str = "gather") -> None:
     from target_stack.engine.cache import FreeList
     from target_stack.engine.runner import ModelRunner
     from target_stack.engine.sampler import sample
@@ -205,19 +220,21 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
 
     engine = None
     if transfer:
-        engine = TransferEngine(runner, pools.get(), ctl_send, ctl_recv, on_complete)
+        engine = TransferEngine(runner, pools.get(), ctl_send, ctl_recv, on_complete, copy)
 
     def layer_done(seq: Sequence, layer: int) -> None:
         # A layer's KV and state are final once its mixer has run (the FFN does not touch them), so the
         # runner calls this before the layer's FFN: the stage moves while the MoE computes.
-        if engine is not None and layer in stage_layers:
+        if moving and layer in stage_layers:
             engine.submit({"kind": "stage", "tid": f"{seq.id}:{layer}", "rid": seq.id, "seq": seq,
                            "layers": stage_layers[layer]})
 
     runner.mixer_done = layer_done
     results.put(("ready", "prefill"))
+    moving = False  # whether the sequence in prefill goes to the decode worker (one at a time)
     while (msg := inbox.get()) is not _STOP:
-        rid, prompt, params, embeds, timing = msg
+        rid, prompt, params, embeds, timing, move = msg
+        moving = engine is not None and move
         seq = Sequence(prompt=prompt, params=params, id=rid)
         if embeds is not None:
             seq.prompt_embeds = torch.from_numpy(embeds)
@@ -233,7 +250,7 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
             release(seq)
             results.put(("error", rid, f"prefill worker: {e}"))
             continue
-        if engine is not None:  # the round trip runs while the first layers compute
+        if moving:  # the round trip runs while the first layers compute
             engine.submit({"kind": "reserve", "tid": f"{rid}:reserve", "rid": rid, "seq": seq, "pages": need})
         timing.prefill_start = time.monotonic()
         emit("prefill.start", id=rid, tokens=seq.num_prompt)
@@ -243,14 +260,14 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
             emit("prefill.done", id=rid)
             failed.add(rid)
             results.put(("error", rid, f"prefill failed: {type(e).__name__}: {e}"))
-            if engine is None:
+            if not moving:
                 release(seq)
             else:
                 engine.submit({"kind": "abort", "tid": f"{rid}:abort", "rid": rid, "seq": seq})
             continue
         timing.prefill_done = time.monotonic()
         emit("prefill.done", id=rid)
-        if engine is None:  # prefill-only measurement: nothing leaves this process
+        if not moving:  # prefill-only measurement: nothing leaves this process
             release(seq)
             results.put(("prefilled", rid, first, timing))
             continue
@@ -270,10 +287,11 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
 
 # -- decode ----------------------------------------------------------------------------------------
 def decode_worker(cfg: dict, ctl_recv, ctl_send, pools: mp.Queue, results: mp.Queue, num_pages: int,
-                  page_size: int, num_slots: int, max_batch: int, max_model_len: int) -> None:
+                  page_size: int, num_slots: int, max_batch: int, max_model_len: int, sink: bool = False) -> None:
     """Owns the decode engine; its pools are in shared memory for the prefill worker to write.  A
     receiver thread answers reservations and queues finished sequences; the main thread adopts them
-    between decode steps."""
+    between decode steps.  ``sink``: receive the sequences and free them at once, decoding nothing
+    (the KV-transfer measurement without decode steps sharing the machine)."""
     from target_stack.engine.engine import LLMEngine
 
     torch.set_num_threads(1)
@@ -315,7 +333,11 @@ def decode_worker(cfg: dict, ctl_recv, ctl_send, pools: mp.Queue, results: mp.Qu
             elif kind == "ready":
                 h = rest[0]
                 h["seq"] = incoming.pop(h["rid"])
-                ready.put(h)
+                if sink:
+                    engine.scheduler.release(h["seq"])
+                    results.put(("prefilled", h["rid"], h["first"], h["timing"]))
+                else:
+                    ready.put(h)
             elif kind == "abort":
                 seq = incoming.pop(rest[0], None)
                 if seq is not None:
@@ -368,12 +390,19 @@ class DisaggResult:
 class DisaggCluster:
     """Start the three workers; ``run`` a list of requests through them; ``close`` joins them.
 
-    ``transfer=False`` stops at the prefill (no transfer thread, no decode): the prefill-only
-    baseline of the KV-transfer overhead.
+    ``transfer=False`` stops at the prefill (no transfer thread, no decode worker; ``run(...,
+    transfer=False)`` does the same for one run of a transferring cluster).  ``decode=False`` transfers every sequence into the decode
+    worker's pools, which frees it on arrival: prefill + transfer with no decode steps competing
+    for the machine (on one GPU or a few cores they would, which disaggregation proper avoids).
+    ``copy``: the transfer thread's copy granularity, "gather" (a gather-scatter per cache tensor)
+    or "page" (one copy per page).
     """
 
-    def __init__(self, cfg: dict | None = None, *, stages: int = 2, transfer: bool = True, num_pages: int = 512,
-                 page_size: int = 16, num_slots: int = 65, max_batch: int = 32, max_model_len: int = 2048):
+    def __init__(self, cfg: dict | None = None, *, stages: int = 2, transfer: bool = True, decode: bool = True,
+                 copy: str = "gather", num_pages: int = 512, page_size: int = 16, num_slots: int = 65,
+                 max_batch: int = 32, max_model_len: int = 2048):
+        if copy not in COPY_MODES:
+            raise ValueError(f"transfer copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
         self.cfg = dict(cfg or {"preset": "tiny"})
         self.transfer = transfer
         self.max_model_len = max_model_len
@@ -390,12 +419,14 @@ class DisaggCluster:
                                   args=(dict(self.cfg), self.encode_inbox, self.prefill_inbox, self.results)),
             "prefill": ctx.Process(target=prefill_worker, name="prefill", daemon=True,
                                    args=(dict(self.cfg), stages, transfer, self.prefill_inbox, ctl_send_p, ctl_recv_p,
-                                         pools, self.results, num_pages, page_size, num_slots, max_model_len)),
+                                         pools, self.results, num_pages, page_size, num_slots, max_model_len,
+                                         copy)),
         }
         if transfer:
             self.procs["decode"] = ctx.Process(target=decode_worker, name="decode", daemon=True,
                                                args=(dict(self.cfg), ctl_recv_d, ctl_send_d, pools, self.results,
-                                                     num_pages, page_size, num_slots, max_batch, max_model_len))
+                                                     num_pages, page_size, num_slots, max_batch, max_model_len,
+                                                     not decode))
         for p in self.procs.values():
             p.start()
         waiting, deadline = set(self.procs), time.monotonic() + 300
@@ -412,8 +443,11 @@ class DisaggCluster:
                 waiting.discard(rest[0])
 
     def run(self, requests: list[tuple[list[int], SamplingParams, object]], arrivals: list[float] | None = None,
-            timeout_s: float = 600.0) -> DisaggResult:
+            timeout_s: float = 600.0, transfer: bool = True) -> DisaggResult:
         """Submit (prompt, params, image) requests at ``arrivals`` (seconds from now); wait for all.
+
+        ``transfer=False`` stops this run's requests at the prefill, in the same worker processes:
+        the prefill-only baseline of the KV-transfer overhead with nothing else changed.
 
         Outputs and timings come back in the order of ``requests``; a refused or failed request is a
         :class:`RequestError` in its place.
@@ -433,7 +467,7 @@ class DisaggCluster:
             if delay > 0:
                 time.sleep(delay)
             timings[rid] = Timing(arrival=time.monotonic())
-            msg = (rid, list(prompt), params, image, timings[rid])
+            msg = (rid, list(prompt), params, image, timings[rid], transfer)
             (self.encode_inbox if image is not None else self.prefill_inbox).put(msg)
         while len(outputs) < len(requests):
             try:

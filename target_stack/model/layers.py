@@ -41,9 +41,6 @@ class SwiGLU(torch.nn.Module):
         return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
 
 
-NATIVE_CHUNK = 32  # tokens per call of the native MoE dispatch
-
-
 class MoE(torch.nn.Module):
     """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
 
@@ -92,11 +89,8 @@ class MoE(torch.nn.Module):
         if self.backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32:
             from target_stack.engine.native import moe_dispatch_combine
 
-            weights = self.stacked_weights()
-            # token chunks bound the extension's scratch memory (and each call's length)
-            out = torch.cat([moe_dispatch_combine(x2[s:s + NATIVE_CHUNK], idx[s:s + NATIVE_CHUNK],
-                                                  w[s:s + NATIVE_CHUNK], *weights)
-                             for s in range(0, x2.shape[0], NATIVE_CHUNK)])
+            # one call per layer, as a fused MoE kernel is: the whole batch's dispatch, experts, combine
+            out = moe_dispatch_combine(x2, idx, w, *self.stacked_weights())
             return (out + self.shared(x2).float()).reshape(shape)
         flat_e = idx.reshape(-1)
         order = torch.argsort(flat_e, stable=True)
@@ -142,8 +136,12 @@ class MoE(torch.nn.Module):
         st["dev_flag"].fill_(st["seq"])
         st["flag"].copy_(st["dev_flag"], non_blocking=True)  # stream order: after the routing copy
         order, ends = moe_layout_wait(st["flag"], st["seq"], host_idx, E, st["order"][:P], st["ends"])
+        order = order.to(x2.device, non_blocking=True)
+        if self._grouped_ok(x2):  # two grouped GEMMs over the host-made layout: a few launches per layer
+            offs = ends.to(x2.device, non_blocking=True).to(torch.int32)
+            return self._grouped_layout(x2, w, order, offs)
         # the group ends are already on the host: no device sync before the expert launches
-        return self._expert_groups(x2, w, order.to(x2.device, non_blocking=True), ends.tolist())
+        return self._expert_groups(x2, w, order, ends.tolist())
 
     def forward_static(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE with no host synchronisation, for decode steps captured in a CUDA graph.
@@ -178,14 +176,19 @@ class MoE(torch.nn.Module):
         return self._grouped_cache[1], self._grouped_cache[2]
 
     def _grouped(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self._grouped_weights(x2.dtype)
-        E = len(self.experts)
+        """The layout on the device (sort by expert, group ends), then :meth:`_grouped_layout`."""
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        tok = order // self.top_k
-        counts = torch.zeros(E, dtype=torch.int32, device=x2.device).scatter_add_(
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x2.device).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return self._grouped_layout(x2, w, order, torch.cumsum(counts, 0, dtype=torch.int32))
+
+    def _grouped_layout(self, x2: torch.Tensor, w: torch.Tensor, order: torch.Tensor,
+                        offs: torch.Tensor) -> torch.Tensor:
+        """Two grouped GEMMs over pairs sorted by expert (``order``, device) with group ends ``offs``
+        (device int32), then the weighted combine."""
+        gate_up, down = self._grouped_weights(x2.dtype)
+        tok = order // self.top_k
         h = torch._grouped_mm(x2[tok], gate_up, offs=offs)
         g, u = h.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(g) * u, down, offs=offs)

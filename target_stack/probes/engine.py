@@ -122,7 +122,8 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     try:
         cfg = HybridModel("tiny").cfg
         requests, arrivals = workload.build(cfg.vocab, cfg.patch)
-        with DisaggCluster(model_cfg, stages=p.get("stages", 2)) as cluster:
+        with DisaggCluster(model_cfg, stages=p.get("stages", 2), copy=p.get("copy", "gather"),
+                           page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 512)) as cluster:
             result = cluster.run(requests, arrivals)
             pools = cluster.close()
         events = read_events(path)
@@ -145,10 +146,14 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     ctx.metric("stage_transfer_ms_p50", statistics.median(stages), "ms", better="lower")
     ctx.metric("stage_transfer_ms_max", worst, "ms", better="lower")
     ctx.metric("native_ms_per_moe_layer", per_layer, "ms")
-    ratio = worst / per_layer
+    # the 90th percentile, not the max: starved, nearly every stage waits out a whole native call;
+    # one stage that met a busy moment of the machine should not decide the verdict
+    p90 = sorted(stages)[min(len(stages) - 1, int(0.9 * len(stages)))]
+    ratio = p90 / per_layer
+    ctx.metric("stage_transfer_ms_p90", p90, "ms", better="lower")
     ctx.metric("transfer_stall_ratio", ratio, better="lower")
     ctx.check(ratio <= p["max_stall_ratio"],
-              f"a KV-transfer stage waited {worst:.1f} ms, {ratio:.2f}x the native MoE time of a layer "
+              f"KV-transfer stages waited {p90:.1f} ms (p90), {ratio:.2f}x the native MoE time of a layer "
               f"({per_layer:.1f} ms): the transfer thread does not run beside the native dispatch "
               "(a call that holds the GIL?)",
               file=NATIVE, symbol="library / ts_moe_dispatch_combine", condition="disaggregated prefill")
@@ -167,5 +172,6 @@ def serve_e2e(ctx: ProbeContext) -> None:
                       ("throughput_tok_s", "tok/s"), ("exposed_transfer_ms_p99", "ms")):
         ctx.metric(key, r[key], unit, better="higher" if key.startswith("throughput") else "lower")
     ctx.metric("kv_transfer_overhead", r["kv_transfer_overhead"], better="lower")
+    ctx.metric("overhead_with_decode", r["overhead_with_decode"], better="lower")
     leaked = {w: s for w, s in r["pools"].items() if any(s.values())}
     ctx.check(not leaked, f"pages or slots leaked by the workers: {leaked}", file=DISAGG)
