@@ -58,16 +58,17 @@ def read_events(path: str | os.PathLike) -> list[dict]:
 
 def spans(events: list[dict], start_suffix: str = ".start", end_suffix: str = ".done",
           key: str = "id") -> list[tuple[str, float]]:
-    """Pair ``X.start``/``X.done`` events (by ``key``) into (name, seconds) spans."""
+    """Pair ``X<start_suffix>``/``X<end_suffix>`` events (by ``key`` within one process) into
+    (name, seconds) spans: a trace written by several processes pairs each one's own events."""
     open_: dict[tuple, float] = {}
     out = []
     for e in sorted(events, key=lambda e: e["t"]):
         name = e["event"]
         if name.endswith(start_suffix):
-            open_[(name[: -len(start_suffix)], e.get(key))] = e["t"]
+            open_[(name[: -len(start_suffix)], e.get(key), e.get("pid"))] = e["t"]
         elif name.endswith(end_suffix):
             base = name[: -len(end_suffix)]
-            t0 = open_.pop((base, e.get(key)), None)
+            t0 = open_.pop((base, e.get(key), e.get("pid")), None)
             if t0 is not None:
                 out.append((base, e["t"] - t0))
     return out

@@ -42,16 +42,17 @@ class Server:
             prompts = [prompts]
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts) or not prompts:
             return 400, _error("prompt must be a non-empty string or a list of strings")
+        tokens = [encode(p) for p in prompts]
         try:
             params = SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
                                     top_p=body.get("top_p", 1.0), seed=body.get("seed"))
             with self.lock:
-                outs = self.engine.generate([encode(p) for p in prompts], params)
+                outs = self.engine.generate(tokens, params)
         except RequestError as e:
             return 400, _error(str(e))
         choices = [{"index": i, "text": decode(o.tokens), "finish_reason": o.finish_reason, "logprobs": None}
                    for i, o in enumerate(outs)]
-        usage_in = sum(len(encode(p)) for p in prompts)
+        usage_in = sum(map(len, tokens))
         usage_out = sum(len(o.tokens) for o in outs)
         return 200, {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
                      "model": self.model_name, "choices": choices,

@@ -7,16 +7,17 @@ Three worker processes and a client::
                                                              main thread: prefill, layer by layer
                                                              transfer thread: ships finished stages
 
-The prefill worker's layers are cut into ``stages`` (Layer Split).  When a stage's last layer is
-done for a sequence, the main thread submits a transfer of that stage's KV pages and KDA state
-slots and goes on with the next layers; the transfer thread sends it to the decode worker and waits
-for the acknowledgement.  On the CPU the prefill's MoE runs through the native dispatch extension;
-loaded so that it releases the GIL, the transfer thread runs beside it, otherwise it waits for every
-call to end.  Events: ``prefill.start/done``, ``kv_transfer.submit/start/done``,
-``dispatch.enter/exit`` (see ``feedback.events``).
+The prefill worker's layers are cut into ``stages`` (Layer Split).  When the mixer of a stage's
+last layer is done for a sequence, the main thread submits a transfer of that stage's KV pages and
+KDA state slots and goes on with the layer's MoE; the transfer thread writes them straight into the
+pages and slot the decode worker reserved for the sequence (its pools are shared memory, or CUDA
+IPC on a GPU).  The prefill's MoE runs through the native extension (the whole dispatch on the CPU,
+the wait for the routing on a GPU); loaded so that it releases the GIL, the transfer thread runs
+beside it, otherwise it waits for every call to end.  Events: ``prefill.start/done``,
+``kv_transfer.submit/start/done``, ``dispatch.enter/exit`` (see ``feedback.events``).
 
-The decode worker adopts each transferred sequence into its own :class:`LLMEngine` (pages and slot
-allocated on the first transfer, written from the payloads) and decodes it with the others.
+The decode worker adopts each transferred sequence into its own :class:`LLMEngine` and decodes it
+with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ from target_stack.engine.sequence import RequestError, RequestOutput, SamplingPa
 
 _STOP = None
 COPY_MODES = ("gather", "page")
+
+
+def _check_copy(copy: str) -> str:
+    if copy not in COPY_MODES:
+        raise ValueError(f"transfer copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
+    return copy
 
 
 @dataclass
@@ -99,10 +106,8 @@ class TransferEngine:
 
     def __init__(self, runner, remote: dict[str, torch.Tensor], ctl_send, ctl_recv, on_complete,
                  copy: str = "gather"):
-        if copy not in COPY_MODES:
-            raise ValueError(f"transfer copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
         self.runner, self.remote, self.ctl_send, self.ctl_recv = runner, remote, ctl_send, ctl_recv
-        self.on_complete, self.copy = on_complete, copy
+        self.on_complete, self.copy = on_complete, _check_copy(copy)
         # on a GPU the copies run on their own stream, after the compute that produced them
         self.stream = torch.cuda.Stream(runner.device) if runner.device.type == "cuda" else None
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,15 +132,16 @@ class TransferEngine:
         descriptor per page does): the GIL-heavy form, kept for the GIL scenario's measurements."""
         moved = 0
         n = min(len(seq.pages), len(dst_pages))
-        device = self.runner.device
-        src_idx = torch.tensor(seq.pages[:n], dtype=torch.long, device=device)
-        dst_idx = torch.tensor(dst_pages[:n], dtype=torch.long, device=device)
+        index = None  # (source, destination) page ids on the device, made once a KV layer needs them
         for layer in layers:
             if layer in self.runner.kv:
                 for name, t in self.runner.kv[layer].tensors().items():
                     remote = self.remote[f"kv.{layer}.{name}"]
                     if self.copy == "gather":
-                        remote.index_copy_(0, dst_idx, t.index_select(0, src_idx))
+                        if index is None:
+                            index = [torch.tensor(ids[:n], dtype=torch.long, device=self.runner.device)
+                                     for ids in (seq.pages, dst_pages)]
+                        remote.index_copy_(0, index[1], t.index_select(0, index[0]))
                     else:  # "page": one write per page, the host (and the GIL) in every one of them
                         for src, dst in zip(seq.pages[:n], dst_pages[:n], strict=True):
                             remote[dst].copy_(t[src])
@@ -222,6 +228,8 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
     if transfer:
         engine = TransferEngine(runner, pools.get(), ctl_send, ctl_recv, on_complete, copy)
 
+    moving = False  # whether the sequence in prefill goes to the decode worker (one at a time)
+
     def layer_done(seq: Sequence, layer: int) -> None:
         # A layer's KV and state are final once its mixer has run (the FFN does not touch them), so the
         # runner calls this before the layer's FFN: the stage moves while the MoE computes.
@@ -231,7 +239,6 @@ def prefill_worker(cfg: dict, stages: int, transfer: bool, inbox: mp.Queue, ctl_
 
     runner.mixer_done = layer_done
     results.put(("ready", "prefill"))
-    moving = False  # whether the sequence in prefill goes to the decode worker (one at a time)
     while (msg := inbox.get()) is not _STOP:
         rid, prompt, params, embeds, timing, move = msg
         moving = engine is not None and move
@@ -391,9 +398,10 @@ class DisaggCluster:
     """Start the three workers; ``run`` a list of requests through them; ``close`` joins them.
 
     ``transfer=False`` stops at the prefill (no transfer thread, no decode worker; ``run(...,
-    transfer=False)`` does the same for one run of a transferring cluster).  ``decode=False`` transfers every sequence into the decode
-    worker's pools, which frees it on arrival: prefill + transfer with no decode steps competing
-    for the machine (on one GPU or a few cores they would, which disaggregation proper avoids).
+    transfer=False)`` does the same for one run of a transferring cluster).  ``decode=False``
+    transfers every sequence into the decode worker's pools, which frees it on arrival: prefill +
+    transfer with no decode steps competing for the machine (on one GPU or a few cores they would,
+    which disaggregation proper avoids).
     ``copy``: the transfer thread's copy granularity, "gather" (a gather-scatter per cache tensor)
     or "page" (one copy per page).
     """
@@ -401,8 +409,7 @@ class DisaggCluster:
     def __init__(self, cfg: dict | None = None, *, stages: int = 2, transfer: bool = True, decode: bool = True,
                  copy: str = "gather", num_pages: int = 512, page_size: int = 16, num_slots: int = 65,
                  max_batch: int = 32, max_model_len: int = 2048):
-        if copy not in COPY_MODES:
-            raise ValueError(f"transfer copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
+        _check_copy(copy)  # here, so a bad mode fails in the caller rather than in a worker
         self.cfg = dict(cfg or {"preset": "tiny"})
         self.transfer = transfer
         self.max_model_len = max_model_len

@@ -3,6 +3,7 @@ disaggregated KV-transfer path seen through its events, and an end-to-end servin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -10,11 +11,11 @@ import tempfile
 import torch
 
 from feedback.correctness import fresh_generator
-from feedback.events import read_events
+from feedback.events import read_events, spans
 from feedback.probe import ProbeContext, probe
 
 from target_stack.engine import LLMEngine, SamplingParams
-from target_stack.model.model import HybridModel, ModelConfig
+from target_stack.model.model import PRESETS, HybridModel, ModelConfig
 
 ENGINE = "target_stack/engine/engine.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
@@ -94,23 +95,12 @@ def pool_accounting(ctx: ProbeContext) -> None:
               file="target_stack/engine/runner.py", symbol="ModelRunner.swap_in")
 
 
-def _spans(events: list[dict], start: str, end: str, key: str = "id") -> list[tuple[float, float, dict]]:
-    opened, out = {}, []
-    for e in sorted(events, key=lambda e: e["t"]):
-        if e["event"] == start:
-            opened[(e.get(key), e["pid"])] = e
-        elif e["event"] == end and (e.get(key), e["pid"]) in opened:
-            s = opened.pop((e.get(key), e["pid"]))
-            out.append((s["t"], e["t"], s))
-    return out
-
-
 @probe(kind="events")
 def kv_transfer_events(ctx: ProbeContext) -> None:
     """The disaggregated prefill worker's events: how long each Layer Split stage waited between
     submission and completion, against how long the native MoE dispatch calls ran.  A transfer
     thread starved by a call that holds the GIL waits as long as the call."""
-    from target_stack.bench.serve import Workload
+    from target_stack.bench.serve import Workload, _pct
     from target_stack.engine.disagg import DisaggCluster
 
     p = ctx.params
@@ -119,8 +109,8 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     os.close(fd)
     os.environ["INFRA_AGENT_EVENTS"] = path  # inherited by the spawned workers
     model_cfg = {"preset": "tiny", **p.get("model", {})}
+    cfg = dataclasses.replace(PRESETS["tiny"], **p.get("model", {}))  # the workers' config, no model built
     try:
-        cfg = HybridModel("tiny").cfg
         requests, arrivals = workload.build(cfg.vocab, cfg.patch)
         with DisaggCluster(model_cfg, stages=p.get("stages", 2), copy=p.get("copy", "gather"),
                            page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 512)) as cluster:
@@ -132,15 +122,16 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
         os.unlink(path)
     errors = [str(o) for o in result.outputs if isinstance(o, Exception)]
     ctx.check(not errors, f"{len(errors)} request(s) failed: {errors[:1]}", file=DISAGG)
-    stages = [(b - a) * 1e3 for a, b, s in _spans(events, "kv_transfer.submit", "kv_transfer.done")
-              if not str(s.get("id", "")).endswith(("reserve", "ready", "abort"))]
-    dispatch = [(b - a) * 1e3 for a, b, _ in _spans(events, "dispatch.enter", "dispatch.exit", key="tokens")]
+    stage_events = [e for e in events if e["event"].startswith("kv_transfer.")
+                    and not str(e.get("id", "")).endswith(("reserve", "ready", "abort"))]
+    stages = [1e3 * secs for _, secs in spans(stage_events, ".submit", ".done")]
+    dispatch = [1e3 * secs for name, secs in spans(events, ".enter", ".exit", key="tokens") if name == "dispatch"]
     if not stages or not dispatch:
         ctx.fail(f"events missing: {len(stages)} stage transfers, {len(dispatch)} dispatch calls",
                  file=DISAGG, symbol="TransferEngine")
         return
     worst = max(stages)
-    moe_layers = sum(1 for i in range(1, cfg.layers))  # every layer after the first has a MoE FFN
+    moe_layers = cfg.layers - 1  # every layer after the first has a MoE FFN
     served = len(requests) - len(errors)
     per_layer = sum(dispatch) / max(1, served * moe_layers)  # native time of one MoE layer of one prefill
     ctx.metric("stage_transfer_ms_p50", statistics.median(stages), "ms", better="lower")
@@ -148,7 +139,7 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     ctx.metric("native_ms_per_moe_layer", per_layer, "ms")
     # the 90th percentile, not the max: starved, nearly every stage waits out a whole native call;
     # one stage that met a busy moment of the machine should not decide the verdict
-    p90 = sorted(stages)[min(len(stages) - 1, int(0.9 * len(stages)))]
+    p90 = _pct(stages, 0.9)
     ratio = p90 / per_layer
     ctx.metric("stage_transfer_ms_p90", p90, "ms", better="lower")
     ctx.metric("transfer_stall_ratio", ratio, better="lower")
