@@ -3,10 +3,12 @@
     python -m target_stack.serve "hello" "another prompt" --max-tokens 16
     echo "one prompt per line" | python -m target_stack.serve -
     python -m target_stack.serve --http 8000      # POST /v1/completions on 127.0.0.1
+    python -m target_stack.serve --http 8000 --prefix-cache   # reuse the prefixes of earlier prompts
 
 Text is tokenised as UTF-8 bytes (the models have random weights: the output is not language,
 it is a reproducible token stream).  The HTTP endpoint speaks the OpenAI completions shape:
-``{"model", "prompt": str | [str], "max_tokens", "temperature", "top_p", "seed"}``.
+``{"model", "prompt": str | [str], "max_tokens", "temperature", "top_p", "seed"}``; with the prefix
+cache, ``usage.prompt_tokens_details.cached_tokens`` counts the prompt positions it reused.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class Server:
             params = SamplingParams(max_tokens=body.get("max_tokens", 16), temperature=body.get("temperature", 0.0),
                                     top_p=body.get("top_p", 1.0), seed=body.get("seed"))
             with self.lock:
+                prefix = self.engine.prefix
+                before = prefix.stats["reused_tokens"] if prefix else 0
                 outs = self.engine.generate(tokens, params)
+                cached = prefix.stats["reused_tokens"] - before if prefix else 0
         except RequestError as e:
             return 400, _error(str(e))
         choices = [{"index": i, "text": decode(o.tokens), "finish_reason": o.finish_reason, "logprobs": None}
@@ -57,7 +62,8 @@ class Server:
         return 200, {"id": f"cmpl-{time.monotonic_ns()}", "object": "text_completion", "created": int(time.time()),
                      "model": self.model_name, "choices": choices,
                      "usage": {"prompt_tokens": usage_in, "completion_tokens": usage_out,
-                               "total_tokens": usage_in + usage_out}}
+                               "total_tokens": usage_in + usage_out,
+                               "prompt_tokens_details": {"cached_tokens": cached}}}
 
 
 def _error(message: str) -> dict:
@@ -107,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--http", type=int, metavar="PORT", help="serve POST /v1/completions on 127.0.0.1:PORT")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="keep prompts' KV pages and KDA states for later prompts that start the same way")
     args = parser.parse_args(argv)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(args.preset, device=device)
+    engine = LLMEngine(args.preset, device=device, prefix_cache=args.prefix_cache)
     if args.http is not None:
         httpd = ThreadingHTTPServer(("127.0.0.1", args.http), make_handler(Server(engine, f"target_stack-{args.preset}")))
         print(f"serving target_stack-{args.preset} on http://127.0.0.1:{httpd.server_address[1]}/v1/completions",

@@ -54,3 +54,18 @@ def test_from_sequence_and_truncate_for_prefix_reuse(gen):
     assert rel_err(ssm.state(), s[0]) < 1e-5
     with pytest.raises(ValueError, match="cannot truncate"):
         ssm.truncate(10)
+
+
+def test_from_state_gets_the_recorded_values_without_a_token_loop(gen):
+    # 100 tokens: two 64-token chunks of the WY solve, from a non-zero checkpoint
+    T, H, K, V, R = 100, 2, 16, 8, 128
+    q, k, v, g, beta = make_inputs(1, T, H, K, V, generator=gen)
+    h0 = torch.randn(H, K, V, generator=gen)
+    batched = ReplaySSM.from_state(h0, k[0], v[0], g[0], beta[0], capacity=R, position=7)
+    ref = _states(q, k, v, g, beta, h0, T)
+    assert (batched.checkpoint_position, batched.position) == (7, 7 + T)
+    for p in (7, 8, 40, 71, 72, 7 + T):
+        want = h0.double() if p == 7 else ref[p - 8]
+        assert rel_err(batched.state(p), want) < 1e-5, p
+    with pytest.raises(ValueError, match="do not fit"):
+        ReplaySSM.from_state(h0, k[0], v[0], g[0], beta[0], capacity=T - 1)

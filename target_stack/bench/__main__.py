@@ -1,4 +1,4 @@
-"""``python -m target_stack.bench {kda,serve}``: target_stack's benchmarks (a table and JSON)."""
+"""``python -m target_stack.bench {kda,serve,prefix}``: target_stack's benchmarks (a table and JSON)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/serve.json"),
                        help="where to write the JSON result (default: %(default)s)")
     serve.add_argument("--print-json", action="store_true", help="print the JSON result as the last stdout line")
+    prefix = sub.add_parser("prefix", help="multi-turn conversations with and without prefix reuse (TTFT per turn)")
+    prefix.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    from target_stack.bench.prefix import DEFAULT as PREFIX_DEFAULT
+
+    prefix.add_argument("--conversations", default=PREFIX_DEFAULT,
+                        help="conversations=N,turns=N,first=LO-HI,user=LO-HI,output=N,seed=S (default: %(default)s)")
+    prefix.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    prefix.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/prefix.json"),
+                        help="where to write the JSON result (default: %(default)s)")
+    prefix.add_argument("--print-json", action="store_true", help="print the JSON result as the last stdout line")
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -51,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_serve(args.preset, args.workload, args.stages, args.only, args.compare_gil, args.json,
                          args.print_json, console, args.repeats, args.disagg_device, args.transfer_copy)
+    if args.bench == "prefix":
+        from target_stack.bench.prefix import run as run_prefix
+
+        return run_prefix(args.preset, args.conversations, args.json, console, args.device, args.print_json)
     return 2  # pragma: no cover - argparse rejects unknown benchmarks
 
 

@@ -57,6 +57,15 @@ class FreeList:
                 self._free.append(i)
             self._free.sort(reverse=True)
 
+    def transfer(self, ids: list[int], owner: int, new_owner: int) -> None:
+        """Hand held ids to another owner (a sequence's prompt pages to the prefix cache)."""
+        with self._lock:
+            for i in ids:
+                if self._owner.get(i) != owner:
+                    raise RuntimeError(f"{self.what}: {i} is not held by {owner}")
+            for i in ids:
+                self._owner[i] = new_owner
+
     def holders(self) -> dict[int, int]:
         with self._lock:
             return dict(self._owner)

@@ -18,6 +18,7 @@ import torch
 
 from target_stack.engine.cache import FreeList
 from target_stack.engine.events import emit
+from target_stack.engine.prefix import OWNER, PrefixCache
 from target_stack.engine.runner import ModelRunner
 from target_stack.engine.sampler import sample
 from target_stack.engine.scheduler import Scheduler
@@ -30,7 +31,8 @@ class LLMEngine:
     def __init__(self, model: HybridModel | str = "tiny", *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, num_pages: int = 256, page_size: int = 16, num_slots: int = 33,
                  max_batch: int = 32, max_model_len: int = 1024, max_prefill_tokens: int = 4096,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, prefix_cache: bool = False, prefix_ring: int = 64,
+                 prefix_entries: int = 64):
         if isinstance(model, str):
             model = HybridModel(model)
         device = torch.device(device) if device is not None else model.embed.device
@@ -48,8 +50,9 @@ class LLMEngine:
             if device.type != "cuda":
                 raise ValueError("cuda_graphs=True needs a CUDA device; the CPU path stays eager")
             self.runner.enable_cuda_graphs(max_batch, max_model_len)
+        self.prefix = PrefixCache(self.pages, page_size, prefix_ring, prefix_entries) if prefix_cache else None
         self.scheduler = Scheduler(self.pages, self.slots, page_size, max_batch, max_prefill_tokens,
-                                   swap_out=self.runner.swap_out)
+                                   swap_out=self.runner.swap_out, prefix=self.prefix)
         self.seqs: dict[int, Sequence] = {}
         self.preemptions = 0
 
@@ -131,10 +134,15 @@ class LLMEngine:
             self.runner.swap_in(seq, seq.swapped)
             seq.swapped = None
         for seq in plan.prefill:
-            emit("prefill.start", id=seq.id, tokens=seq.num_prompt)
+            hit, record = seq.hit, self.prefix is not None and seq.prompt_embeds is None
+            start = hit.length if hit else 0
+            emit("prefill.start", id=seq.id, tokens=seq.num_prompt, reused=start)
             try:
-                logits = self.runner.prefill(seq)
+                logits, tails = self.runner.prefill_from(seq, start, hit.entry.restore(start) if hit else None,
+                                                         self.prefix.ring if record else 0)
                 token = sample(logits[None], [seq])[0]
+                if record:
+                    seq.shared = self.prefix.insert(seq.prompt, seq.id, seq.pages, seq.shared, start, tails)
             except Exception as e:  # noqa: BLE001 - one bad sequence must not take the batch down
                 self._finish(seq, f"error: {type(e).__name__}: {e}")
                 continue
@@ -169,11 +177,23 @@ class LLMEngine:
 
     # -- accounting -----------------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:
+        """Pages in use include the prefix cache's (``pages_cached``; ``clear_prefix_cache`` frees them)."""
         return {"pages_used": self.pages.used, "pages_free": self.pages.free,
+                "pages_cached": self.prefix.cached_pages if self.prefix else 0,
                 "slots_used": self.slots.used, "slots_free": self.slots.free}
 
-    def leaks(self) -> dict[str, dict[int, int]]:
-        """Pages and slots still held by sequences that are not live: empty after a clean run."""
+    def leaks(self) -> dict[str, dict]:
+        """Pages and slots still held by sequences that are not live, and any disagreement in the
+        prefix cache's page references: all empty after a clean run."""
         live = {s.id for s in self.scheduler.running}
-        return {"pages": {p: o for p, o in self.pages.holders().items() if o not in live},
-                "slots": {s: o for s, o in self.slots.holders().items() if o not in live}}
+        out = {"pages": {p: o for p, o in self.pages.holders().items() if o not in live and o != OWNER},
+               "slots": {s: o for s, o in self.slots.holders().items() if o not in live}}
+        if self.prefix is not None:
+            shared = {s.id: s.pages[:s.shared] for s in self.scheduler.running}
+            out["prefix"] = dict(enumerate(self.prefix.problems(shared)))
+        return out
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (pages still read by live sequences stay until they finish)."""
+        if self.prefix is not None:
+            self.prefix.clear()

@@ -93,10 +93,30 @@ class ReplaySSM:
         self._len = n
 
     @classmethod
+    def from_state(cls, state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   capacity: int, position: int = 0) -> ReplaySSM:
+        """Checkpoint ``state`` (after ``position`` tokens) and the records of the n <= capacity tokens
+        that follow it: k, g [n, H, K], v [n, H, V], beta [n, H].  The effective values u come from the
+        chunked (WY) form, one triangular solve per 64 tokens, not a token loop."""
+        from target_stack.ops.kda import naive_chunk_kda
+
+        n = k.shape[0]
+        if n > capacity:
+            raise ValueError(f"{n} tokens do not fit a ring of {capacity}")
+        ssm = cls(state, capacity, position=position)
+        if n:
+            q0 = torch.zeros_like(k[None], dtype=torch.float32)
+            _, _, u = naive_chunk_kda(q0, k[None].float(), v[None].float(), g[None].float(), beta[None].float(),
+                                      initial_state=ssm.checkpoint[None], return_values=True)
+            ssm._k[:n], ssm._u[:n], ssm._g[:n] = k.float(), u[0], g.float()
+            ssm._len = n
+        return ssm
+
+    @classmethod
     def from_sequence(cls, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, capacity: int,
                       initial_state: torch.Tensor | None = None) -> ReplaySSM:
         """Build from one sequence's inputs k, g [T, H, K], v [T, H, V], beta [T, H]: the prefix before
-        the last ``capacity`` tokens through the chunked form, the rest recorded token by token."""
+        the last ``capacity`` tokens folded into the checkpoint, the rest recorded."""
         from target_stack.ops.kda import naive_chunk_kda
 
         T, H, K = k.shape
@@ -108,7 +128,4 @@ class ReplaySSM:
             _, s = naive_chunk_kda(q0, k[None, :head].float(), v[None, :head].float(), g[None, :head].float(),
                                    beta[None, :head].float(), initial_state=state[None], output_final_state=True)
             state = s[0]
-        ssm = cls(state, capacity, position=head)
-        for t in range(head, T):
-            ssm.step(torch.zeros(H, K, device=k.device), k[t], v[t], g[t], beta[t])
-        return ssm
+        return cls.from_state(state, k[head:], v[head:], g[head:], beta[head:], capacity, position=head)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from target_stack.engine.cache import PagedKV, StatePool
 from target_stack.engine.sequence import Sequence
-from target_stack.model.kda_layer import CONV
+from target_stack.model.kda_layer import CONV, KDAState, KDATail
 from target_stack.model.layers import MoE, sparse_attention, sparse_decode_attention
 from target_stack.model.model import HybridModel
 
@@ -50,22 +50,40 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> torch.Tensor:
+        return self.prefill_from(seq)[0]
+
+    @torch.no_grad()
+    def prefill_from(self, seq: Sequence, start: int = 0, restore: dict[int, KDAState] | None = None,
+                     tail: int = 0) -> tuple[torch.Tensor, dict[int, KDATail]]:
+        """Prefill positions [start, num_prompt): the keys before ``start`` are already in the
+        sequence's first pages and ``restore`` holds every KDA layer's state after ``start`` tokens
+        (a reused prefix).  ``tail`` > 0 also returns each KDA layer's last ``tail`` tokens, for the
+        prefix cache.  Returns the logits of the last position and the tails."""
         model, cfg = self.model, self.cfg
-        h = model.embed_tokens(torch.tensor(seq.prompt, device=self.device))
+        if start and (seq.prompt_embeds is not None or start % self.page_size or start >= seq.num_prompt):
+            raise ValueError(f"cannot start a prefill at {start}: it must be a page boundary inside a token-only prompt")
+        h = model.embed_tokens(torch.tensor(seq.prompt[start:], device=self.device))
         if seq.prompt_embeds is not None:
             h = torch.cat([seq.prompt_embeds.to(device=h.device, dtype=h.dtype), h])
         T = h.shape[0]
-        page, offset = self._positions(seq, 0, T)
+        page, offset = self._positions(seq, start, start + T)
+        prefix = torch.tensor([seq.pages[:start // self.page_size]], device=self.device) if start else None
+        tails: dict[int, KDATail] = {}
         h = h[None]
         for i, block in enumerate(model.blocks):
             x = block.norm1(h)
             if block.is_attn:
                 q, k, v, iq, ik = block.mixer.project(x[0])
                 self.kv[i].write(page, offset, k, v, ik)
+                if prefix is not None:  # the reused positions' keys, from the shared pages
+                    kp, vp, ikp = self.kv[i].gather(prefix, k.dtype)
+                    k, v, ik = torch.cat([kp[0], k]), torch.cat([vp[0], v]), torch.cat([ikp[0].to(ik.dtype), ik])
                 o = sparse_attention(q, k, v, iq, ik, cfg.block, cfg.top_k_blocks, cfg.window)
                 mix = F.linear(o.reshape(T, -1), block.mixer.w_o)[None]
             else:
-                mix, state = block.mixer.prefill(x)
+                mix, state, rec = block.mixer.prefill_with_tail(x, restore[i] if restore else None, tail)
+                if rec is not None:
+                    tails[i] = rec
                 pool = self.states[i]
                 pool.kda[seq.slot] = state.kda[0]
                 pool.conv[seq.slot] = state.conv[0].to(pool.conv.dtype)
@@ -73,7 +91,7 @@ class ModelRunner:
                 self.mixer_done(seq, i)
             h = h + mix
             h = h + block.ffn(block.norm2(h))
-        return F.linear(model.norm(h[0, -1:]), model.lm_head)[0]
+        return F.linear(model.norm(h[0, -1:]), model.lm_head)[0], tails
 
     # -- decode -----------------------------------------------------------------------------------
     def block_table(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:

@@ -55,6 +55,8 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" | "stop" | "cancelled" | "error: ..."
     pages: list[int] = field(default_factory=list)
+    shared: int = 0  # leading pages referenced from the prefix cache (not owned by this sequence)
+    hit: object = None  # the prefix-cache Hit this sequence's prefill starts from, if any
     slot: int = 0
     swapped: dict | None = None  # host copies of pages and state while preempted
     arrival: float = 0.0

@@ -31,6 +31,20 @@ class KDAState:
     kda: torch.Tensor  # [B, H, K, V] fp32
 
 
+@dataclass
+class KDATail:
+    """The last n tokens of a prefill, as prefix reuse needs them: the KDA state before them, their
+    kernel inputs, and the convolution inputs from CONV - 1 positions before them to the end."""
+
+    start: int  # tokens before the tail (within this prefill's input)
+    state: torch.Tensor  # [B, H, K, V] fp32, after ``start`` tokens
+    k: torch.Tensor  # [B, n, H, K]
+    v: torch.Tensor  # [B, n, H, V]
+    g: torch.Tensor  # [B, n, H, K]
+    beta: torch.Tensor  # [B, n, H]
+    conv: torch.Tensor  # [B, CONV - 1 + n, C]
+
+
 class KDALayer(torch.nn.Module):
     def __init__(self, dim: int, heads: int, head_k: int, head_v: int, generator: torch.Generator | None = None,
                  backend: str = "auto"):
@@ -66,7 +80,7 @@ class KDALayer(torch.nn.Module):
         f = F.linear(x, self.w_f).reshape(B, T, H, K) + self.dt_bias.reshape(H, K)
         gate = -self.A_log.exp()[None, None, :, None] * F.softplus(f)
         beta = torch.sigmoid(F.linear(x, self.w_b))
-        return (q, k, v, gate, beta), full[:, -(CONV - 1):]
+        return (q, k, v, gate, beta), full  # full[:, i] is the convolution input of position i - (CONV - 1)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
@@ -79,16 +93,37 @@ class KDALayer(torch.nn.Module):
         return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
 
     def prefill(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:
-        inputs, conv = self._inputs(x, state.conv if state else None)
+        out, new, _ = self.prefill_with_tail(x, state, 0)
+        return out, new
+
+    def prefill_with_tail(self, x: torch.Tensor, state: KDAState | None, tail: int
+                          ) -> tuple[torch.Tensor, KDAState, KDATail | None]:
+        """``prefill`` that also returns the last ``tail`` tokens as a :class:`KDATail` (``None`` for 0):
+        the kernel runs in two calls, up to the tail and from there, to expose the state between."""
+        inputs, full = self._inputs(x, state.conv if state else None)
+        conv = full[:, -(CONV - 1):]
         h0 = state.kda if state else None
-        if self.uses_triton(x):
-            o, s = chunk_kda(*inputs, initial_state=h0, output_final_state=True)
-        else:
-            o, s = naive_chunk_kda(*inputs, initial_state=h0, output_final_state=True)
-        return self._output(o, x), KDAState(conv=conv, kda=s.float())
+        kernel = chunk_kda if self.uses_triton(x) else naive_chunk_kda
+        if not tail:
+            o, s = kernel(*inputs, initial_state=h0, output_final_state=True)
+            return self._output(o, x), KDAState(conv=conv, kda=s.float()), None
+        B, T = x.shape[:2]
+        cut = max(0, T - tail)
+        outs = []
+        if cut:
+            o, h0 = kernel(*(t[:, :cut] for t in inputs), initial_state=h0, output_final_state=True)
+            outs.append(o)
+        if h0 is None:
+            h0 = x.new_zeros(B, self.H, self.K, self.V, dtype=torch.float32)
+        o, s = kernel(*(t[:, cut:] for t in inputs), initial_state=h0, output_final_state=True)
+        outs.append(o)
+        _, k, v, g, beta = (t[:, cut:] for t in inputs)
+        rec = KDATail(start=cut, state=h0.float().clone(), k=k, v=v, g=g, beta=beta, conv=full[:, cut:])
+        return self._output(torch.cat(outs, dim=1), x), KDAState(conv=conv, kda=s.float()), rec
 
     def decode(self, x: torch.Tensor, state: KDAState) -> tuple[torch.Tensor, KDAState]:
-        inputs, conv = self._inputs(x, state.conv)
+        inputs, full = self._inputs(x, state.conv)
+        conv = full[:, -(CONV - 1):]
         kernel = fused_recurrent_kda if self.uses_triton(x) else naive_recurrent_kda
         o, s = kernel(*inputs, initial_state=state.kda, output_final_state=True)
         return self._output(o, x), KDAState(conv=conv, kda=s.float())
@@ -100,7 +135,8 @@ class KDALayer(torch.nn.Module):
         The KDA states are updated in place by the kernel; slot 0 (padding) is never written, and
         its convolution tail is reset so padded rows always start from zeros.
         """
-        inputs, conv = self._inputs(x, conv_pool[slots])
+        inputs, full = self._inputs(x, conv_pool[slots])
+        conv = full[:, -(CONV - 1):]
         if self.uses_triton(x):
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
         else:  # same contract in torch: slot 0 reads zeros and is never written

@@ -227,26 +227,31 @@ class MoE(torch.nn.Module):
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: torch.Tensor, idx_k: torch.Tensor,
                      block: int, top_k: int, window: int) -> torch.Tensor:
-    """Causal block-sparse attention for one sequence: q, k, v [T, H, D]; idx_q, idx_k [T, Di].
+    """Causal block-sparse attention for one sequence: q [Tq, H, D], idx_q [Tq, Di] for the last Tq
+    of the Tk positions of k, v [Tk, H, D], idx_k [Tk, Di] (Tq < Tk: a prefill after a reused prefix).
 
     An indexer scores each key block for each query (max over the block of idx_q . idx_k);
     each query attends to its top_k highest-scoring causal blocks plus a local window of
-    ``window`` tokens.  With T <= top_k * block every causal key is kept: it equals dense.
+    ``window`` tokens.  With Tk <= top_k * block every causal key is kept: it equals dense.
     """
-    T, H, D = q.shape
+    Tq, H, D = q.shape
+    T = k.shape[0]
+    if Tq > T:
+        raise ValueError(f"{Tq} queries for {T} keys: queries must be the last positions of the keys")
     nb = math.ceil(T / block)
     pos = torch.arange(T, device=q.device)
-    causal = pos[None, :] <= pos[:, None]  # [Tq, Tk]
+    qpos = pos[T - Tq:]
+    causal = pos[None, :] <= qpos[:, None]  # [Tq, Tk]
     scores = (idx_q.float() @ idx_k.float().t()).masked_fill(~causal, float("-inf"))  # [Tq, Tk]
     pad = nb * block - T
-    blk = F.pad(scores, (0, pad), value=float("-inf")).reshape(T, nb, block).amax(-1)  # [Tq, nb]
-    keep_blocks = torch.zeros(T, nb, dtype=torch.bool, device=q.device)
+    blk = F.pad(scores, (0, pad), value=float("-inf")).reshape(Tq, nb, block).amax(-1)  # [Tq, nb]
+    keep_blocks = torch.zeros(Tq, nb, dtype=torch.bool, device=q.device)
     k_sel = min(top_k, nb)
     top = torch.topk(blk, k_sel, dim=-1).indices
     keep_blocks.scatter_(1, top, True)
     keep_blocks &= torch.isfinite(blk)
     keep = keep_blocks.repeat_interleave(block, dim=1)[:, :T]
-    keep |= (pos[:, None] - pos[None, :] < window) & causal
+    keep |= (qpos[:, None] - pos[None, :] < window) & causal
     keep &= causal
     att = torch.einsum("qhd,khd->hqk", q.float(), k.float()) / math.sqrt(D)
     att = att.masked_fill(~keep[None], float("-inf"))

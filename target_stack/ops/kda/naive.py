@@ -60,8 +60,13 @@ def naive_chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_values: bool = False,
+):
     """Chunked KDA (WY/UT form): the same maths as :func:`naive_recurrent_kda`, chunk by chunk.
+
+    Returns ``(o, final_state)``, and with ``return_values`` also the effective values u'
+    ``[B, T, H, V]``: per token, the rank-one update S_t = Diag(exp(g_t)) S_{t-1} + k_t u'_t^T
+    (what :class:`~target_stack.engine.replay_ssm.ReplaySSM` records).
 
     Inside a chunk with cumulative log decay G_i = g_1 + ... + g_i:
       L[i, j] = b_i <k_i, k_j exp(G_i - G_j)>          for j < i
@@ -81,6 +86,7 @@ def naive_chunk_kda(
     if initial_state is not None:
         S = S + initial_state.to(cdt)
     o = q.new_empty(B, H, T, V)
+    values = q.new_empty(B, H, T, V) if return_values else None
     for s in range(0, T, C):
         e = min(s + C, T)
         n = e - s
@@ -97,8 +103,13 @@ def naive_chunk_kda(
         w = Tm @ (G.exp() * kc)
         u = Tm @ vc
         v_new = u - w @ S
+        if values is not None:
+            values[:, :, s:e] = v_new
         Pqk = torch.einsum("bhik,bhjk,bhijk->bhij", qc, kc, decay)
         o[:, :, s:e] = scale * ((qc * G.exp()) @ S + Pqk @ v_new)
         G_last = G[:, :, -1:]  # [B, H, 1, K]
         S = S * G_last.transpose(-1, -2).exp() + ((G_last - G).exp() * kc).transpose(-1, -2) @ v_new
-    return o.transpose(1, 2), (S if output_final_state else None)
+    final = S if output_final_state else None
+    if return_values:
+        return o.transpose(1, 2), final, values.transpose(1, 2)
+    return o.transpose(1, 2), final
