@@ -185,13 +185,20 @@ def test_the_prefix_benchmark_runs_both_engines_on_the_same_turns(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton KDA kernels, bf16)")
 def test_gpu_prefill_from_a_cached_prefix_equals_a_full_prefill():
     gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    model = HybridModel(ModelConfig(layers=8))
     a = prompt(gen, 300)
     b = a + prompt(gen, 90)
-    for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 3e-2)):
-        cached = LLMEngine(model, device="cuda", dtype=dtype, prefix_cache=True)
-        cached.generate([a], SamplingParams(max_tokens=2))
-        logits, seq = prefill_logits(cached, b)
-        assert seq.hit is not None and seq.hit.length == 288
-        ref_logits, _ = prefill_logits(LLMEngine(model, device="cuda", dtype=dtype), b)
-        assert rel_err(logits.float(), ref_logits.float()) < tol, dtype
+
+    def logits(dtype, cache):
+        engine = LLMEngine(HybridModel(ModelConfig(layers=8)), device="cuda", dtype=dtype, prefix_cache=cache)
+        if cache:
+            engine.generate([a], SamplingParams(max_tokens=2))
+        out, seq = prefill_logits(engine, b)
+        assert (seq.hit.length if seq.hit else 0) == (288 if cache else 0)
+        return out.float()
+
+    ref = logits(torch.float32, False)
+    assert rel_err(logits(torch.float32, True), ref) < 1e-4  # the same maths, chunked differently
+    # bf16: the reused prefill is as close to fp32 as a full bf16 prefill is (16-bit rounding
+    # through 8 random layers is ~10%; the Triton kernels' own error is measured in test_kda)
+    full16 = rel_err(logits(torch.bfloat16, False), ref)
+    assert rel_err(logits(torch.bfloat16, True), ref) < 2 * full16 + 0.02

@@ -6,8 +6,10 @@ What a later prefill needs at a page boundary L of a cached prompt:
   read-only (a new sequence writes from position L on, so into pages of its own: no copy on write);
 * every KDA layer's recurrent state and convolution tail after L tokens: rebuilt by a
   :class:`ReplaySSM` (the state before the prompt's last ``ring`` tokens plus their (k, u, g)
-  records) and a window of the convolution inputs, so L can be any page boundary among the prompt's
-  last ``ring`` tokens, the common case of a conversation that resends its history.
+  records; all KDA layers' heads stacked in one ring, so recording and replaying are a handful of
+  launches whatever the depth) and a window of the convolution inputs, so L can be any page
+  boundary among the prompt's last ``ring`` tokens, the common case of a conversation that resends
+  its history.
 
 Pages are counted: each entry and each live sequence that reads a page holds one reference; the
 page goes back to the free list when the last one is dropped.  Entries are evicted least recently
@@ -35,16 +37,19 @@ class PrefixEntry:
     tokens: tuple[int, ...]
     pages: list[int]  # pages[i] holds positions [i * page_size, (i + 1) * page_size): the prompt's full pages
     first: int  # the earliest position the KDA states can be rebuilt at
-    states: dict[int, tuple[ReplaySSM, torch.Tensor]] = field(default_factory=dict)  # layer -> (ssm, conv window)
+    layers: list[int] = field(default_factory=list)  # the KDA layers, in the order their heads are stacked
+    ssm: ReplaySSM | None = None  # every KDA layer's heads stacked in one ring: one replay rebuilds them all
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> convolution inputs from first - 3 on
     id: int = 0
 
     def restore(self, position: int) -> dict[int, KDAState]:
         """Every KDA layer's state after ``position`` tokens (first <= position <= len(tokens))."""
-        out = {}
-        for layer, (ssm, window) in self.states.items():
-            i = position - self.first  # window[j] is the convolution input of position first - (CONV - 1) + j
-            out[layer] = KDAState(conv=window[i:i + CONV - 1][None], kda=ssm.state(position)[None])
-        return out
+        if self.ssm is None:
+            return {}
+        states = self.ssm.state(position).chunk(len(self.layers))  # [L * H, K, V] -> per layer
+        i = position - self.first  # conv[layer][j] is the convolution input of position first - (CONV - 1) + j
+        return {layer: KDAState(conv=self.conv[layer][i:i + CONV - 1][None], kda=s[None])
+                for layer, s in zip(self.layers, states, strict=True)}
 
 
 @dataclass
@@ -125,10 +130,13 @@ class PrefixCache:
             self.refs[p] += 1  # the entry's
         first = start + next(iter(tails.values())).start if tails else 0
         entry = PrefixEntry(tokens=tuple(tokens), pages=list(pages[:full]), first=first, id=next(self._ids))
-        for layer, tail in tails.items():
-            ssm = ReplaySSM.from_state(tail.state[0], tail.k[0], tail.v[0], tail.g[0], tail.beta[0],
-                                       capacity=self.ring, position=first)
-            entry.states[layer] = (ssm, tail.conv[0].clone())
+        if tails:  # the layers' heads side by side: one WY solve records them all (a handful of launches)
+            entry.layers = sorted(tails)
+            ts = [tails[layer] for layer in entry.layers]
+            stack = lambda name, dim: torch.cat([getattr(t, name)[0] for t in ts], dim=dim)  # noqa: E731
+            entry.ssm = ReplaySSM.from_state(stack("state", 0), stack("k", 1), stack("v", 1), stack("g", 1),
+                                             stack("beta", 1), capacity=self.ring, position=first)
+            entry.conv = {layer: tails[layer].conv[0].clone() for layer in entry.layers}
         self.entries[entry.id] = entry
         for L, h in self._boundaries(tokens, full * self.page_size):
             if L >= first:

@@ -367,17 +367,21 @@ def chunk_kda_fwd(
     V = v.shape[-1]
     n_seq = cu_seqlens.numel() - 1
     BT = CHUNK_SIZE
-    BK = block_size(K)
-    BV = min(block_size(V), 32 if BK > 64 else 64)
-    chunk_seq, chunk_pos, chunk_offsets = chunks
-    NT = chunk_seq.numel()
-
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     # 16-bit inputs: the chunk products take 16-bit operands (fp32 accumulate) and the triangular
     # inverse runs at tf32, as in flash-linear-attention: the output is 16-bit anyway.  fp32 inputs
     # keep fp32 operands at ``precision`` throughout.  The interpreter's 16-bit dot is not
     # trustworthy, so it always takes the fp32 path.
     lowp = q.element_size() == 2 and not interpreting()
+    BK = block_size(K)
+    BV = min(block_size(V), 32 if BK > 64 else 64)
+    if lowp and BK < 64:
+        # Small heads in 16 bits take the (64, 64) tiles: with K = V = 16 (16- or 32-wide tiles) the
+        # solve kernel's bf16 products read past its shared memory on an H200 with Triton 3.6
+        # (compute-sanitizer) and came out wrong; the masks keep the wider tiles exact.
+        BK, BV = 64, 64
+    chunk_seq, chunk_pos, chunk_offsets = chunks
+    NT = chunk_seq.numel()
     f32 = dict(dtype=torch.float32, device=q.device)
     gc = alloc(B, T, H, K, **f32)
     mid = dict(dtype=q.dtype if lowp else torch.float32, device=q.device)  # w, u, kd: what the products take
@@ -412,7 +416,7 @@ def chunk_kda_fwd(
         LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=2,
     )
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
-    BVO = min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
+    BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
     _kda_output_kernel[(triton.cdiv(V, BVO), NT, H)](
         q, gc, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos, scale,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, LOWP=lowp, DOT_PRECISION=precision, num_warps=8 if lowp else 4,
