@@ -202,3 +202,26 @@ def test_gpu_prefill_from_a_cached_prefix_equals_a_full_prefill():
     # through 8 random layers is ~10%; the Triton kernels' own error is measured in test_kda)
     full16 = rel_err(logits(torch.bfloat16, False), ref)
     assert rel_err(logits(torch.bfloat16, True), ref) < 2 * full16 + 0.02
+
+
+def test_the_prefix_reuse_probe_passes_here_and_catches_a_state_restored_one_token_early(monkeypatch):
+    import pathlib
+
+    import yaml
+
+    from feedback.probe import ProbeContext
+    from target_stack.engine.prefix import PrefixEntry
+    from target_stack.probes.engine import prefix_reuse
+
+    manifest = yaml.safe_load((pathlib.Path(__file__).parents[1] / "target_stack/infra-agent.yaml").read_text())
+    params = next(p for p in manifest["probes"] if p["id"] == "engine.prefix_reuse")["params"]
+    ctx = ProbeContext("engine.prefix_reuse", params, ".")
+    prefix_reuse(ctx)
+    assert not ctx.failed, [f.message for f in ctx.findings]
+    assert ctx.metrics["max_rel_err"].value <= params["max_rel_err"] and ctx.metrics["hits"].value == 3
+    restore = PrefixEntry.restore
+    monkeypatch.setattr(PrefixEntry, "restore", lambda self, position: restore(self, position - 1))
+    broken = ProbeContext("engine.prefix_reuse", params, ".")
+    prefix_reuse(broken)
+    assert broken.failed and broken.metrics["max_rel_err"].value > 1e-2
+    assert broken.findings[0].location.symbol == "ModelRunner.prefill_from"

@@ -95,6 +95,50 @@ def pool_accounting(ctx: ProbeContext) -> None:
               file="target_stack/engine/runner.py", symbol="ModelRunner.swap_in")
 
 
+@probe(kind="correctness")
+def prefix_reuse(ctx: ProbeContext) -> None:
+    """A prefill that starts from a cached prefix (shared KV pages, KDA states rebuilt by ReplaySSM)
+    against a full prefill of the same prompt, for prompts that extend a cached one and prompts that
+    leave it inside its ring; then the cache's page references after eviction and clearing."""
+    from target_stack.ops.kda.testing import rel_err
+
+    gen = fresh_generator()
+    p = ctx.params
+    model = HybridModel("tiny")
+    vocab = model.cfg.vocab
+    base = torch.randint(0, vocab, (p["base_length"],), generator=gen).tolist()
+    cached = LLMEngine(model, prefix_cache=True, prefix_ring=p.get("ring", 64))
+    plain = LLMEngine(model)
+    cached.generate([base], SamplingParams(max_tokens=1))
+    worst, hits = 0.0, 0
+    for keep, extra in p["cases"]:  # (positions of base kept, new tokens after them)
+        tokens = base[:keep] + torch.randint(0, vocab, (extra,), generator=gen).tolist()
+        logits = {}
+        for name, engine in (("cached", cached), ("plain", plain)):
+            engine.add_request(tokens, SamplingParams(max_tokens=1))
+            seq = engine.scheduler.schedule().prefill[0]
+            start = seq.hit.length if seq.hit else 0
+            hits += bool(seq.hit) and name == "cached"
+            logits[name] = engine.runner.prefill_from(seq, start, seq.hit.entry.restore(start) if seq.hit else None)[0]
+            engine.cancel(seq.id)
+            engine.step()
+        err = rel_err(logits["cached"], logits["plain"])
+        worst = max(worst, err)
+        ctx.check(err <= p["max_rel_err"], f"a prefill from the cached prefix differs from a full prefill: "
+                  f"rel. err. {err:.2e}", file=RUNNER, symbol="ModelRunner.prefill_from",
+                  condition=f"kept {keep} of {len(base)} cached positions, {extra} new")
+    ctx.metric("max_rel_err", worst, better="lower")
+    ctx.metric("hits", hits, better="higher")
+    ctx.check(hits == len(p["cases"]), f"only {hits} of {len(p['cases'])} prompts reused the cached prefix",
+              file="target_stack/engine/prefix.py", symbol="PrefixCache.match")
+    problems = cached.leaks()
+    cached.clear_prefix_cache()
+    leaked = len(problems["pages"]) + len(problems["prefix"]) + cached.usage()["pages_used"]
+    ctx.metric("leaked_pages", leaked, better="lower")
+    ctx.check(not leaked, f"pages or references left after clearing the cache: {problems}",
+              file="target_stack/engine/prefix.py", symbol="PrefixCache")
+
+
 @probe(kind="events")
 def kv_transfer_events(ctx: ProbeContext) -> None:
     """The disaggregated prefill worker's events: how long each Layer Split stage waited between
