@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from target_stack.bench.serve import fill_from_spec
 from target_stack.engine import LLMEngine, SamplingParams
 
 DEFAULT = "conversations=4,turns=4,first=96-160,user=16-48,output=8"
@@ -35,16 +36,7 @@ class Conversations:
 
     @classmethod
     def parse(cls, spec: str) -> Conversations:
-        c = cls()
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, _, value = part.partition("=")
-            if key in ("first", "user"):
-                lo, _, hi = value.partition("-")
-                setattr(c, key, (int(lo), int(hi or lo)))
-            elif key in ("conversations", "turns", "output", "seed"):
-                setattr(c, key, int(value))
-            else:
-                raise ValueError(f"unknown key {key!r}; known: conversations, turns, first, user, output, seed")
+        c = fill_from_spec(cls(), spec, "conversations")
         if min(c.conversations, c.turns, c.output, c.first[0], c.user[0]) < 1:
             raise ValueError(f"invalid conversations: {spec!r}")
         return c

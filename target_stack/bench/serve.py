@@ -38,6 +38,27 @@ from target_stack.engine import LLMEngine, SamplingParams
 DEFAULT_WORKLOAD = "requests=16,rate=0,prompt=128-256,output=4-12,mm=0.25,seed=0"
 
 
+def fill_from_spec(obj, spec: str, what: str):
+    """Set a dataclass's fields from ``key=value,...``; a tuple field takes a range ``LO-HI`` (or one
+    number), the others their default's type.  Unknown keys and unparsable values are errors."""
+    kinds = {f.name: type(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        kind = kinds.get(key)
+        if kind is None:
+            raise ValueError(f"unknown {what} key {key!r}; known: {', '.join(kinds)}")
+        try:
+            if kind is tuple:
+                lo, _, hi = value.partition("-")
+                setattr(obj, key, (int(lo), int(hi or lo)))
+            else:
+                setattr(obj, key, kind(value))
+        except ValueError:
+            expected = {tuple: "a range LO-HI", int: "an integer", float: "a number"}.get(kind, kind.__name__)
+            raise ValueError(f"invalid {what}: {part!r}, the value must be {expected}") from None
+    return obj
+
+
 @dataclasses.dataclass
 class Workload:
     requests: int = 16
@@ -49,18 +70,7 @@ class Workload:
 
     @classmethod
     def parse(cls, spec: str) -> Workload:
-        w = cls()
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, _, value = part.partition("=")
-            if key in ("prompt", "output"):
-                lo, _, hi = value.partition("-")
-                setattr(w, key, (int(lo), int(hi or lo)))
-            elif key in ("requests", "seed"):
-                setattr(w, key, int(value))
-            elif key in ("rate", "mm"):
-                setattr(w, key, float(value))
-            else:
-                raise ValueError(f"unknown workload key {key!r}; known: requests, rate, prompt, output, mm, seed")
+        w = fill_from_spec(cls(), spec, "workload")
         if w.requests < 1 or w.prompt[0] < 1 or w.output[0] < 1 or not 0 <= w.mm <= 1 or w.rate < 0:
             raise ValueError(f"invalid workload: {spec!r}")
         return w
