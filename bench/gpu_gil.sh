@@ -2,7 +2,9 @@
 # The KV-transfer / GIL comparison on a GPU, as recorded in bench/RESULTS.md: for each transfer copy
 # mode, the disaggregated workers on the GPU with the GIL released and with scenarios/gil-hold.patch.
 # Run from the repository root; JSON goes to $OUT (default bench/out).  Knobs: W (workload), ST
-# (Layer Split stages), REP (repeats), COPIES, TMO (seconds per mode).
+# (Layer Split stages), REP (repeats), COPIES, TMO (seconds per mode).  The long-prompt run in
+# RESULTS (device-bound prefill, where the held GIL starves the per-page transfer):
+#   W=requests=6,rate=0,prompt=6144-8192,output=4-8,mm=0,seed=0 COPIES=page bench/gpu_gil.sh
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

@@ -15,6 +15,10 @@ Pages are counted: each entry and each live sequence that reads a page holds one
 page goes back to the free list when the last one is dropped.  Entries are evicted least recently
 used first when the scheduler needs pages, or beyond ``max_entries``.  Prompts with image
 embeddings are neither cached nor matched (their leading positions are not tokens).
+
+Memory per entry besides its pages: the KDA checkpoint and ring, ``kda_layers * heads * (K * V +
+ring * (2 K + V))`` floats (31 MB for the bench preset with a 64-token ring), so ``max_entries``
+bounds it.  Only the colocated engine uses the cache; the disaggregated prefill worker does not.
 """
 
 from __future__ import annotations
