@@ -86,14 +86,13 @@ class PrefixCache:
     def match(self, tokens: list[int]) -> Hit | None:
         """The longest cached prefix of ``tokens`` that leaves at least one token to prefill."""
         self.stats["lookups"] += 1
-        best = None
-        for L, h in self._boundaries(tokens, len(tokens) - 1):
-            found = self._index.get(h)
-            if found is not None and found[1] == L and tuple(tokens[:L]) == found[0].tokens[:L]:
-                best = Hit(found[0], L)
-        if best is not None:
-            self.entries.move_to_end(best.entry.id)
-        return best
+        found = [(L, self._index[h][0]) for L, h in self._boundaries(tokens, len(tokens) - 1)
+                 if h in self._index and self._index[h][1] == L]
+        for L, entry in reversed(found):  # longest first; the token check guards against hash collisions
+            if tuple(tokens[:L]) == entry.tokens[:L]:
+                self.entries.move_to_end(entry.id)
+                return Hit(entry, L)
+        return None
 
     def acquire(self, hit: Hit) -> list[int]:
         """References for a sequence on the hit's pages; returns them (the head of its block table)."""
