@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from target_stack.engine import LLMEngine, SamplingParams  # noqa: E402
+from target_stack.model.layers import MoE  # noqa: E402
 from target_stack.model.model import HybridModel  # noqa: E402
 
 
@@ -48,9 +49,13 @@ def check_tiny() -> dict:
 
 
 def set_kda_backend(model: HybridModel, backend: str) -> None:
+    """'torch': the plain-eager baseline (KDA in its torch form, the MoE's per-expert loop);
+    'triton': the engine's kernels (the MoE's grouped GEMMs where they work)."""
     for block in model.blocks:
         if not block.is_attn:
             block.mixer.backend = backend
+        if isinstance(block.ffn, MoE):
+            block.ffn.grouped = backend == "triton"
 
 
 def decode_rate(engine: LLMEngine, batch: int, prompt_len: int, steps: int = 20) -> float:

@@ -57,6 +57,7 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE backend must be 'torch' or 'native', got {backend!r}")
         self.top_k = top_k
         self.backend = backend  # 'native': the compiled dispatch/expert/combine step on CPU fp32 inputs
+        self.grouped = True  # False: the per-expert loop even where grouped GEMMs work (a plain-eager baseline)
         self._stacked: tuple | None = None
         self.router = torch.nn.Parameter(torch.randn(n_experts, dim, generator=generator) * dim**-0.5)
         self.router_bias = torch.nn.Parameter(torch.zeros(n_experts))
@@ -92,7 +93,7 @@ class MoE(torch.nn.Module):
             # one call per layer, as a fused MoE kernel is: the whole batch's dispatch, experts, combine
             out = moe_dispatch_combine(x2, idx, w, *self.stacked_weights())
             return (out + self.shared(x2).float()).reshape(shape)
-        if self._grouped_ok(x2):  # a GPU in bf16: two grouped GEMMs, no host sync, no per-expert launches
+        if self.grouped and self._grouped_ok(x2):  # a GPU in bf16: two grouped GEMMs, no host sync
             out = self._grouped(x2, w, idx)
         else:
             flat_e = idx.reshape(-1)
