@@ -53,16 +53,17 @@ def test_disaggregated_serving_equals_the_colocated_engine_and_frees_everything(
 
 
 def test_page_by_page_copies_and_the_transfer_sink_measure_the_same_sequences(gen):
-    """copy="page" moves the same bytes as the default gather-scatter (decode continues from them
+    """copy="page" and copy="post" move the same bytes as the default gather-scatter (decode continues from them
     exactly); decode=False receives every sequence and frees it; run(transfer=False) stops the same
     processes at the prefill (the baseline of the KV-transfer overhead)."""
     prompts = _prompts(gen, [70, 150])
     params = SamplingParams(max_tokens=4)
     reference = LLMEngine("tiny").generate(prompts, params)
-    with DisaggCluster({"preset": "tiny"}, stages=3, copy="page") as cluster:
-        outs = cluster.run([(p, params, None) for p in prompts]).outputs
-        assert cluster.close()["decode"] == {"leaked_pages": 0, "leaked_slots": 0}
-    assert [o.tokens for o in outs] == [o.tokens for o in reference]
+    for copy in ("page", "post"):  # a torch copy, a native copy at the page's address
+        with DisaggCluster({"preset": "tiny"}, stages=3, copy=copy) as cluster:
+            outs = cluster.run([(p, params, None) for p in prompts]).outputs
+            assert cluster.close()["decode"] == {"leaked_pages": 0, "leaked_slots": 0}
+        assert [o.tokens for o in outs] == [o.tokens for o in reference], copy
     with DisaggCluster({"preset": "tiny"}, stages=2, decode=False) as sink:
         for transfer in (False, True, False):
             result = sink.run([(p, params, None) for p in prompts], transfer=transfer)

@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--disagg-device", default="cpu", choices=["cpu", "cuda"],
                        help="where the prefill and decode workers run (default: %(default)s; on cuda the native "
                             "dispatch waits for the device's routing)")
-    serve.add_argument("--transfer-copy", default="gather", choices=["gather", "page"],
-                       help="the transfer thread's copies: a gather-scatter per cache tensor, or one copy per page "
-                            "(default: %(default)s)")
+    serve.add_argument("--transfer-copy", default="gather", choices=["gather", "page", "post"],
+                       help="the transfer thread's copies: a gather-scatter per cache tensor, one torch copy per "
+                            "page, or one native copy per page (default: %(default)s)")
     serve.add_argument("--compare-gil", action="store_true",
                        help="also run the disaggregated part with scenarios/gil-hold.patch applied")
     serve.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/serve.json"),
