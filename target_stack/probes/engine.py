@@ -157,7 +157,8 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     try:
         requests, arrivals = workload.build(cfg.vocab, cfg.patch)
         with DisaggCluster(model_cfg, stages=p.get("stages", 2), copy=p.get("copy", "gather"),
-                           page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 512)) as cluster:
+                           page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 512),
+                           decode=p.get("decode", True)) as cluster:
             result = cluster.run(requests, arrivals)
             pools = cluster.close()
         events = read_events(path)
