@@ -36,8 +36,7 @@ def prefill_logits(engine: LLMEngine, tokens: list[int]):
     """Admit one prompt and run its prefill the way ``step`` does; (logits, sequence)."""
     engine.add_request(tokens, SamplingParams(max_tokens=1))
     seq = engine.scheduler.schedule().prefill[0]
-    start = seq.hit.length if seq.hit else 0
-    logits, _ = engine.runner.prefill_from(seq, start, seq.hit.entry.restore(start) if seq.hit else None)
+    logits, _ = engine.runner.prefill_from(seq)
     return logits, seq
 
 
@@ -193,7 +192,7 @@ def test_gpu_prefill_from_a_cached_prefix_equals_a_full_prefill():
         if cache:
             engine.generate([a], SamplingParams(max_tokens=2))
         out, seq = prefill_logits(engine, b)
-        assert (seq.hit.length if seq.hit else 0) == (288 if cache else 0)
+        assert seq.reused == (288 if cache else 0)
         return out.float()
 
     ref = logits(torch.float32, False)

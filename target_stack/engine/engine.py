@@ -134,15 +134,13 @@ class LLMEngine:
             self.runner.swap_in(seq, seq.swapped)
             seq.swapped = None
         for seq in plan.prefill:
-            hit, record = seq.hit, self.prefix is not None and seq.prompt_embeds is None
-            start = hit.length if hit else 0
-            emit("prefill.start", id=seq.id, tokens=seq.num_prompt, reused=start)
+            record = self.prefix is not None and seq.prompt_embeds is None
+            emit("prefill.start", id=seq.id, tokens=seq.num_prompt, reused=seq.reused)
             try:
-                logits, tails = self.runner.prefill_from(seq, start, hit.entry.restore(start) if hit else None,
-                                                         self.prefix.ring if record else 0)
+                logits, tails = self.runner.prefill_from(seq, self.prefix.ring if record else 0)
                 token = sample(logits[None], [seq])[0]
                 if record:
-                    seq.shared = self.prefix.insert(seq.prompt, seq.id, seq.pages, seq.shared, start, tails)
+                    seq.shared = self.prefix.insert(seq.prompt, seq.id, seq.pages, seq.shared, seq.reused, tails)
             except Exception as e:  # noqa: BLE001 - one bad sequence must not take the batch down
                 self._finish(seq, f"error: {type(e).__name__}: {e}")
                 continue

@@ -24,7 +24,7 @@ bounds it.  Only the colocated engine uses the cache; the disaggregated prefill 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,7 @@ class PrefixEntry:
     layers: list[int] = field(default_factory=list)  # the KDA layers, in the order their heads are stacked
     ssm: ReplaySSM | None = None  # every KDA layer's heads stacked in one ring: one replay rebuilds them all
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> convolution inputs from first - 3 on
+    keys: list[int] = field(default_factory=list)  # its boundaries' hashes in the cache's index
     id: int = 0
 
     def restore(self, position: int) -> dict[int, KDAState]:
@@ -144,6 +145,7 @@ class PrefixCache:
         for L, h in self._boundaries(tokens, full * self.page_size):
             if L >= first:
                 self._index[h] = (entry, L)
+                entry.keys.append(h)
         self.stats["inserted"] += 1
         while len(self.entries) > self.max_entries:
             self._evict_one()
@@ -151,8 +153,8 @@ class PrefixCache:
 
     def _evict_one(self) -> None:
         _, entry = self.entries.popitem(last=False)
-        for L, h in self._boundaries(entry.tokens, len(entry.pages) * self.page_size):
-            if self._index.get(h, (None,))[0] is entry:
+        for h in entry.keys:
+            if self._index.get(h, (None,))[0] is entry:  # a later entry may have taken the key over
                 del self._index[h]
         self.stats["evicted"] += 1
         self.unref(entry.pages)
@@ -174,13 +176,8 @@ class PrefixCache:
     def problems(self, live_shared: dict[int, list[int]]) -> list[str]:
         """Disagreements between the reference counts and their holders (``live_shared``: each live
         sequence's shared pages); empty when the books balance."""
-        expect: dict[int, int] = {}
-        for entry in self.entries.values():
-            for p in entry.pages:
-                expect[p] = expect.get(p, 0) + 1
-        for pages in live_shared.values():
-            for p in pages:
-                expect[p] = expect.get(p, 0) + 1
+        expect = Counter(p for entry in self.entries.values() for p in entry.pages)
+        expect.update(p for pages in live_shared.values() for p in pages)
         out = [f"page {p}: {self.refs.get(p, 0)} references, {n} holders" for p, n in sorted(expect.items())
                if self.refs.get(p, 0) != n]
         out += [f"page {p}: {n} references, no holder" for p, n in sorted(self.refs.items()) if p not in expect]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from target_stack.engine.cache import PagedKV, StatePool
 from target_stack.engine.sequence import Sequence
-from target_stack.model.kda_layer import CONV, KDAState, KDATail
+from target_stack.model.kda_layer import CONV, KDATail
 from target_stack.model.layers import MoE, sparse_attention, sparse_decode_attention
 from target_stack.model.model import HybridModel
 
@@ -53,13 +53,14 @@ class ModelRunner:
         return self.prefill_from(seq)[0]
 
     @torch.no_grad()
-    def prefill_from(self, seq: Sequence, start: int = 0, restore: dict[int, KDAState] | None = None,
-                     tail: int = 0) -> tuple[torch.Tensor, dict[int, KDATail]]:
-        """Prefill positions [start, num_prompt): the keys before ``start`` are already in the
-        sequence's first pages and ``restore`` holds every KDA layer's state after ``start`` tokens
-        (a reused prefix).  ``tail`` > 0 also returns each KDA layer's last ``tail`` tokens, for the
-        prefix cache.  Returns the logits of the last position and the tails."""
+    def prefill_from(self, seq: Sequence, tail: int = 0) -> tuple[torch.Tensor, dict[int, KDATail]]:
+        """Prefill positions [start, num_prompt), start = ``seq.reused``: with a prefix-cache hit the
+        keys before it are already in the sequence's first pages and every KDA layer's state there is
+        rebuilt from the hit's entry.  ``tail`` > 0 also returns each KDA layer's last ``tail`` tokens,
+        for the prefix cache.  Returns the logits of the last position and the tails."""
         model, cfg = self.model, self.cfg
+        start = seq.reused
+        restore = seq.hit.entry.restore(start) if start else None
         if start and (seq.prompt_embeds is not None or start % self.page_size or start >= seq.num_prompt):
             raise ValueError(f"cannot start a prefill at {start}: it must be a page boundary inside a token-only prompt")
         h = model.embed_tokens(torch.tensor(seq.prompt[start:], device=self.device))

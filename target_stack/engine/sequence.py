@@ -72,6 +72,11 @@ class Sequence:
         return len(self.prompt) + extra
 
     @property
+    def reused(self) -> int:
+        """Prompt positions taken from the prefix cache (``hit``), a multiple of the page size."""
+        return self.hit.length if self.hit is not None else 0
+
+    @property
     def length(self) -> int:
         """Positions whose keys are in the cache once the last output token has been fed."""
         return self.num_prompt + len(self.output)

@@ -115,9 +115,10 @@ class KDALayer(torch.nn.Module):
             outs.append(o)
         if h0 is None:
             h0 = x.new_zeros(B, self.H, self.K, self.V, dtype=torch.float32)
-        o, s = kernel(*(t[:, cut:] for t in inputs), initial_state=h0, output_final_state=True)
+        last = [t[:, cut:] for t in inputs]
+        o, s = kernel(*last, initial_state=h0, output_final_state=True)
         outs.append(o)
-        _, k, v, g, beta = (t[:, cut:] for t in inputs)
+        _, k, v, g, beta = last
         rec = KDATail(start=cut, state=h0.float().clone(), k=k, v=v, g=g, beta=beta, conv=full[:, cut:])
         return self._output(torch.cat(outs, dim=1), x), KDAState(conv=conv, kda=s.float()), rec
 

@@ -117,9 +117,8 @@ def prefix_reuse(ctx: ProbeContext) -> None:
         for name, engine in (("cached", cached), ("plain", plain)):
             engine.add_request(tokens, SamplingParams(max_tokens=1))
             seq = engine.scheduler.schedule().prefill[0]
-            start = seq.hit.length if seq.hit else 0
-            hits += bool(seq.hit) and name == "cached"
-            logits[name] = engine.runner.prefill_from(seq, start, seq.hit.entry.restore(start) if seq.hit else None)[0]
+            hits += bool(seq.reused) and name == "cached"
+            logits[name] = engine.runner.prefill_from(seq)[0]
             engine.cancel(seq.id)
             engine.step()
         err = rel_err(logits["cached"], logits["plain"])
