@@ -35,9 +35,12 @@ def rel_err(out: Any, ref: Any) -> float:
 
 
 def compare_sweep(fn: Callable[..., Any], ref: Callable[..., Any], make_inputs: Callable[[dict, torch.Generator], tuple],
-                  cases: Iterable[dict], seed: int | None = None) -> list[tuple[dict, float]]:
-    """fn(*inputs) against ref(*inputs) for every case of a shape sweep; fresh inputs per case."""
-    gen = fresh_generator(seed)
+                  cases: Iterable[dict], seed: int | None = None, device: str = "cpu") -> list[tuple[dict, float]]:
+    """fn(*inputs) against ref(*inputs) for every case of a shape sweep; fresh inputs per case.
+
+    ``make_inputs`` gets a generator on ``device`` (``gen.device``) and makes its inputs there.
+    """
+    gen = fresh_generator(seed, device)
     out = []
     for case in cases:
         inputs = make_inputs(case, gen)

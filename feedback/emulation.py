@@ -99,6 +99,32 @@ def _patched_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     return TensorHandle((product + d.data).astype(d.data.dtype, copy=False), d.dtype.scalar)
 
 
+def _scalar_index(self) -> int:
+    data = self.handle.data
+    return int(data.reshape(-1)[0]) if getattr(data, "size", 1) == 1 else int(data)
+
+
+def _patch_scalar_index() -> None:
+    """Interpreted scalars are one-element arrays; Triton 3.3-3.6 turn them into loop bounds with
+    ``int(array)``, which NumPy 2.5 refuses for rank-one arrays (Triton 3.7+ squeeze first).  The
+    harness mends that for any target it interprets (targets cannot be expected to)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "__infra_agent__", False):
+        return
+
+    def patch_lang_tensor(tensor, *scope):
+        original(tensor, *scope)
+        if scope:  # Triton >= 3.4 restores what a launch patched through a scope object
+            scope[0].set_attr(tensor, "__index__", _scalar_index)
+        else:
+            tensor.__index__ = _scalar_index
+
+    patch_lang_tensor.__infra_agent__ = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def _patch() -> None:
     global _original_create_dot
     from triton.runtime.interpreter import InterpreterBuilder
@@ -106,6 +132,7 @@ def _patch() -> None:
     if _original_create_dot is None:
         _original_create_dot = InterpreterBuilder.create_dot
         InterpreterBuilder.create_dot = _patched_create_dot
+        _patch_scalar_index()
 
 
 def active() -> str | None:

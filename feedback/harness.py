@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 from feedback.manifest import Manifest, ProbeSpec, load_manifest
 from feedback.models import FeedbackReport, ProbeResult, Status
-from feedback.report import compare, content_hashes, evaluate_acceptance
+from feedback.report import content_hashes, localise
 from feedback.runner import Runner
 from feedback.select import order, select, stages
+from feedback.verdict import compare, evaluate_acceptance, verdict
 
 
 class UnknownProbe(ValueError):
@@ -84,14 +85,18 @@ def judge(
             stopped = stage if stage != cascade[-1][0] else None
             break
 
-    return FeedbackReport(
+    report = FeedbackReport(
         target=manifest.name, candidate=label or str(tree), baseline=baseline_label, selection=selection,
         results=results, baseline_results=base_results,
-        comparisons=compare(manifest, results, base_results),
+        comparisons=compare(manifest, results, base_results, localise),
         acceptance=evaluate_acceptance(manifest, results),
+        baseline_acceptance=evaluate_acceptance(manifest, base_results) if base_runner is not None else [],
         hashes=content_hashes(tree, manifest, specs), stopped_at=stopped,
         duration_s=time.perf_counter() - t0,
     )
+    if base_runner is not None:
+        report.verdict = verdict(report)
+    return report
 
 
 def _has(manifest: Manifest, pid: str) -> bool:

@@ -64,6 +64,8 @@ class ProbeSpec(BaseModel):
     memory_mb: int | None = Field(None, gt=0, description="address-space limit of the probe process")
     thresholds: dict[str, Threshold] = Field(default_factory=dict)
     needs_gpu: bool = False
+    repeats: int | None = Field(None, ge=1, le=100, description="runs of the probe per judgement (default: 3 for "
+                                "microbench and e2e, whose verdicts need an interval and a noise floor; 1 otherwise)")
 
     @model_validator(mode="after")
     def _entry_or_command(self) -> ProbeSpec:

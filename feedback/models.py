@@ -6,11 +6,17 @@ import enum
 import math
 import os
 import platform
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    # An infinite error (a NaN output counts as one) must survive the result file and the cache:
+    # JSON has no Infinity, so it is written as the string "Infinity" and read back as a float.
+    model_config = ConfigDict(ser_json_inf_nan="strings")
 
 
 class Status(str, enum.Enum):
@@ -21,7 +27,7 @@ class Status(str, enum.Enum):
     skipped = "skipped"
 
 
-class Metric(BaseModel):
+class Metric(_Model):
     model_config = ConfigDict(extra="forbid")
 
     value: float
@@ -30,6 +36,8 @@ class Metric(BaseModel):
     ci: tuple[float, float] | None = None
     # Which way is better, so a comparison can say improved / regressed ("lower", "higher", None).
     better: str | None = None
+    # Every run's value when the runner repeated the probe (``value`` is then their median).
+    samples: list[float] = Field(default_factory=list)
 
     @field_validator("value")
     @classmethod
@@ -39,7 +47,7 @@ class Metric(BaseModel):
         return v
 
 
-class Location(BaseModel):
+class Location(_Model):
     """Where a finding is bound: a file, a symbol or kernel, a launch parameter, an input condition."""
 
     model_config = ConfigDict(extra="forbid")
@@ -63,14 +71,14 @@ class Location(BaseModel):
         return "; ".join(parts)
 
 
-class Finding(BaseModel):
+class Finding(_Model):
     model_config = ConfigDict(extra="forbid")
 
     message: str
     location: Location = Field(default_factory=Location)
 
 
-class Fingerprint(BaseModel):
+class Fingerprint(_Model):
     """The environment a probe ran in: results from different environments are not comparable."""
 
     model_config = ConfigDict(extra="forbid")
@@ -116,7 +124,7 @@ def fingerprint() -> Fingerprint:
     return fp
 
 
-class ProbeResult(BaseModel):
+class ProbeResult(_Model):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
@@ -127,6 +135,8 @@ class ProbeResult(BaseModel):
     duration_s: float = 0.0
     environment: Fingerprint = Field(default_factory=Fingerprint)
     reason: str | None = None  # why skipped / error / timeout, in one line
+    # The harness or the machine failed (not the probe's code): never blamed on a candidate, never cached.
+    environment_failure: bool = False
     stdout: str = ""
     stderr: str = ""
     cached: bool = False
@@ -136,7 +146,7 @@ class ProbeResult(BaseModel):
         return self.status in (Status.passed, Status.skipped)
 
 
-class MetricDelta(BaseModel):
+class MetricDelta(_Model):
     model_config = ConfigDict(extra="forbid")
 
     name: str
@@ -144,10 +154,14 @@ class MetricDelta(BaseModel):
     candidate: float | None
     unit: str = ""
     change: float | None = None  # candidate / baseline
-    verdict: str = "n/a"  # improved / regressed / unchanged / new / gone / n/a
+    ci: tuple[float, float] | None = None  # 95% interval of the change (performance metrics)
+    noise: float | None = None  # the A/A noise floor the change was held against (relative)
+    samples: int = 0  # repeats behind the smaller side
+    verdict: str = "n/a"  # improved / regressed / unchanged / new / gone / n/a (shown, not judged)
+    note: str = ""  # why a performance change was called unchanged
 
 
-class ProbeComparison(BaseModel):
+class ProbeComparison(_Model):
     model_config = ConfigDict(extra="forbid")
 
     probe: str
@@ -158,7 +172,7 @@ class ProbeComparison(BaseModel):
     localisation: list[str] = Field(default_factory=list)
 
 
-class CriterionResult(BaseModel):
+class CriterionResult(_Model):
     model_config = ConfigDict(extra="forbid")
 
     name: str
@@ -168,7 +182,22 @@ class CriterionResult(BaseModel):
     reason: str = ""
 
 
-class FeedbackReport(BaseModel):
+class Verdict(_Model):
+    """The judgement of a candidate against its baseline (made by :mod:`feedback.verdict`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["incorrect", "inconclusive", "worse", "better", "unchanged"]
+    reason: str
+    broke: list[str] = Field(default_factory=list)  # held on the baseline, fails on the candidate
+    fixed: list[str] = Field(default_factory=list)  # failed on the baseline, holds on the candidate
+    broken_probes: list[str] = Field(default_factory=list)  # error/timeout on both sides, or the environment
+    still_failing: list[str] = Field(default_factory=list)
+    regressed: list[str] = Field(default_factory=list)
+    improved: list[str] = Field(default_factory=list)
+
+
+class FeedbackReport(_Model):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
@@ -180,6 +209,8 @@ class FeedbackReport(BaseModel):
     baseline_results: list[ProbeResult] = Field(default_factory=list)
     comparisons: list[ProbeComparison] = Field(default_factory=list)
     acceptance: list[CriterionResult] = Field(default_factory=list)
+    baseline_acceptance: list[CriterionResult] = Field(default_factory=list)
+    verdict: Verdict | None = None  # the candidate's judgement, when there is a baseline
     hashes: dict[str, str] = Field(default_factory=dict)  # probe and reference files -> sha256
     stopped_at: str | None = None  # the cascade stage that failed, when the cascade stopped early
     duration_s: float = 0.0

@@ -37,6 +37,23 @@ class ProbeContext:
         self.metrics: dict[str, Metric] = {}
         self.findings: list[Finding] = []
         self.failed = False
+        self._device: str | None = None
+
+    @property
+    def device(self) -> str:
+        """Where the probe should make its inputs and run: ``"cuda"`` when a GPU is usable, else ``"cpu"``.
+
+        Read lazily, so a static probe never imports torch.  Under Triton's interpreter
+        (``TRITON_INTERPRET=1``, no GPU) kernels take CPU tensors.
+        """
+        if self._device is None:
+            import os
+
+            import torch
+
+            interp = os.environ.get("TRITON_INTERPRET") == "1"
+            self._device = "cuda" if torch.cuda.is_available() and not interp else "cpu"
+        return self._device
 
     def metric(self, name: str, value: float, unit: str = "", *, better: str | None = None,
                ci: tuple[float, float] | None = None) -> float:

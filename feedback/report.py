@@ -1,19 +1,18 @@
-"""From probe results to a FeedbackReport: deltas against the baseline, localisation, acceptance."""
+"""Presenting a FeedbackReport: localisation lines, the judges' content hashes, the terminal table.
+
+The judgement itself (deltas, acceptance, the verdict) lives in :mod:`feedback.verdict`."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import pathlib
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from feedback.manifest import Criterion, Manifest, ProbeSpec
-from feedback.models import CriterionResult, FeedbackReport, MetricDelta, ProbeComparison, ProbeResult, Status
-
-REL_NOISE = 0.10  # metric changes smaller than this (without CIs) are "unchanged"
-JUDGED_BY_STATUS = ("static", "correctness", "trace", "events")
+from feedback.manifest import Manifest, ProbeSpec
+from feedback.models import FeedbackReport, ProbeResult, Status
 
 _STATUS_STYLE = {Status.passed: "green", Status.failed: "red", Status.error: "red", Status.timeout: "red",
                  Status.skipped: "yellow"}
@@ -31,64 +30,6 @@ def localise(spec: ProbeSpec, result: ProbeResult) -> list[str]:
         where = f.location.render() or (f"cover {cover}" if cover else "")
         lines.append(f"probe `{spec.id}` failed: {f.message}" + (f"; {where}" if where else ""))
     return lines or [f"probe `{spec.id}` failed; cover {cover}"]
-
-
-def _delta(name: str, base, cand) -> MetricDelta:
-    if base is None or cand is None:
-        m = base or cand
-        return MetricDelta(name=name, baseline=base.value if base else None, candidate=cand.value if cand else None,
-                           unit=m.unit, verdict="new" if base is None else "gone")
-    change = cand.value / base.value if base.value not in (0.0,) and math.isfinite(base.value) else None
-    verdict = "unchanged"
-    better = cand.better or base.better
-    if better in ("lower", "higher"):
-        if cand.ci and base.ci:
-            overlap = not (cand.ci[1] < base.ci[0] or cand.ci[0] > base.ci[1])
-            worse = cand.value > base.value if better == "lower" else cand.value < base.value
-            verdict = "unchanged" if overlap else ("regressed" if worse else "improved")
-        elif change is not None and abs(change - 1) > REL_NOISE:
-            worse = change > 1 if better == "lower" else change < 1
-            verdict = "regressed" if worse else "improved"
-        elif change is None and cand.value != base.value:
-            worse = cand.value > base.value if better == "lower" else cand.value < base.value
-            verdict = "regressed" if worse else "improved"
-    return MetricDelta(name=name, baseline=base.value, candidate=cand.value, unit=cand.unit, change=change,
-                       verdict=verdict)
-
-
-def compare(manifest: Manifest, candidate: list[ProbeResult], baseline: list[ProbeResult]) -> list[ProbeComparison]:
-    base = {r.probe: r for r in baseline}
-    out = []
-    for r in candidate:
-        spec = manifest.probe(r.probe)
-        b = base.get(r.probe)
-        names = list(r.metrics) + [n for n in (b.metrics if b else {}) if n not in r.metrics]
-        deltas = [_delta(n, b.metrics.get(n) if b else None, r.metrics.get(n)) for n in names] if b else [
-            MetricDelta(name=n, baseline=None, candidate=m.value, unit=m.unit) for n, m in r.metrics.items()]
-        if spec.kind in JUDGED_BY_STATUS:
-            # errors measured on fresh random inputs move from run to run: the probe's status and its
-            # thresholds carry the verdict, the numbers are shown, not judged
-            deltas = [d.model_copy(update={"verdict": "n/a"}) for d in deltas]
-        out.append(ProbeComparison(probe=r.probe, kind=spec.kind, baseline=b.status if b else None,
-                                   candidate=r.status, deltas=deltas, localisation=localise(spec, r)))
-    return out
-
-
-def evaluate_acceptance(manifest: Manifest, results: list[ProbeResult]) -> list[CriterionResult]:
-    by_id = {r.probe: r for r in results}
-    out = []
-    for c in manifest.acceptance:
-        metric, op, bound = c.parts()
-        pid, name = manifest.split_metric(metric)
-        r = by_id.get(pid)
-        if r is None or name not in r.metrics:
-            why = "probe not run" if r is None else f"probe {r.status.value}, no metric {name}"
-            out.append(CriterionResult(name=c.name, expression=c.expr, value=None, holds=None, reason=why))
-            continue
-        value = r.metrics[name].value
-        out.append(CriterionResult(name=c.name, expression=c.expr, value=value,
-                                   holds=Criterion.compare(value, op, bound)))
-    return out
 
 
 def content_hashes(tree: pathlib.Path, manifest: Manifest, specs: list[ProbeSpec]) -> dict[str, str]:
@@ -135,6 +76,8 @@ def render(report: FeedbackReport, console: Console) -> None:
             if d.baseline is not None and d.candidate is not None and report.baseline:
                 style = {"regressed": "red", "improved": "green"}.get(d.verdict, "")
                 arrow = f"{_fmt(d.baseline)} -> {_fmt(d.candidate, d.unit)}"
+                if d.noise is not None or d.note:  # a performance metric: its A/A noise beside the change
+                    arrow += f" ({d.verdict}, A/A {d.noise:.0%})" if d.noise is not None else f" ({d.note})"
                 metrics.append(f"[{style}]{d.name} {arrow}[/]" if style else f"{d.name} {arrow}")
             else:
                 metrics.append(f"{d.name} {_fmt(d.candidate, d.unit)}")
@@ -153,5 +96,10 @@ def render(report: FeedbackReport, console: Console) -> None:
         console.print(f"acceptance {a.name}: {a.expression} {mark}{extra}", highlight=False)
     if report.stopped_at:
         console.print(f"[yellow]cascade stopped at stage '{report.stopped_at}' (use --all to run every stage)[/]")
+    if report.verdict is not None:
+        v = report.verdict
+        style = {"better": "green", "unchanged": "", "inconclusive": "yellow"}.get(v.name, "red")
+        name = f"[{style}]{v.name}[/]" if style else v.name
+        console.print(f"candidate against the baseline: {name}: {escape(v.reason)}", highlight=False, soft_wrap=True)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
     console.print(f"verdict: {verdict} in {report.duration_s:.1f}s")

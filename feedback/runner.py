@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
+from feedback.verdict import combine_runs, repeats_for
 
 TAIL = 4000  # characters of stdout/stderr kept in a result
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -63,6 +64,10 @@ def _tail(text: str | bytes | None) -> str:
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
     return text[-TAIL:]
+
+
+class EnvironmentFailure(RuntimeError):
+    """The harness or the machine could not run a probe; reported as an error never blamed on a candidate."""
 
 
 class Runner:
@@ -115,8 +120,6 @@ class Runner:
             return None
 
     def _cache_put(self, key: str, result: ProbeResult) -> None:
-        if result.status in (Status.timeout, Status.error):
-            return  # transient failures are re-run, never served from the cache
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.cache_dir / f"{key}.{os.getpid()}.tmp"
         tmp.write_text(result.model_dump_json())
@@ -150,7 +153,8 @@ class Runner:
                     try:
                         res = fut.result()
                     except Exception as exc:  # noqa: BLE001 - the harness never crashes on a probe
-                        res = ProbeResult(probe=spec.id, status=Status.error, reason=f"harness: {exc}")
+                        res = ProbeResult(probe=spec.id, status=Status.error, reason=f"harness: {exc}",
+                                          environment_failure=True)
                     results[spec.id] = res
                     if on_done:
                         on_done(res)
@@ -163,17 +167,29 @@ class Runner:
         return [results[s.id] for s in specs]
 
     def run_one(self, spec: ProbeSpec) -> ProbeResult:
+        """Run a probe (``repeats`` times for the performance kinds), or serve it from the cache.
+
+        Cached: what the probe itself reported, failures and its own exceptions included (the same
+        files in the same environment raise the same way).  Re-run every time: timeouts, crashes
+        and failures of the harness or the machine.
+        """
         key = self.cache_key(spec) if self.use_cache else None
         if key and (hit := self._cache_get(key)):
             return hit
         if spec.needs_gpu and not gpu_present():
-            result = ProbeResult(probe=spec.id, status=Status.skipped, reason="needs a GPU; none on this machine")
-        elif spec.entry:
-            result = self._run_python(spec)
+            result, reported = ProbeResult(probe=spec.id, status=Status.skipped,
+                                           reason="needs a GPU; none on this machine"), True
         else:
-            result = self._run_command(spec)
+            runs, reported = [], True
+            for _ in range(repeats_for(spec.kind, spec.repeats)):
+                run, ok = self._run_python(spec) if spec.entry else self._run_command(spec)
+                runs.append(run)
+                reported &= ok
+                if run.status not in (Status.passed, Status.failed):
+                    break  # an error, a timeout or a skip: repeating would say the same
+            result = combine_runs(runs)
         result = apply_thresholds(spec, result)
-        if key:
+        if key and reported:
             self._cache_put(key, result)
         return result
 
@@ -186,9 +202,12 @@ class Runner:
                 resource.setrlimit(resource.RLIMIT_AS, (limit * 2**20, limit * 2**20))
 
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(), shell=shell, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=preexec if limit else None)
+        try:
+            proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(), shell=shell, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=preexec if limit else None)
+        except OSError as exc:  # no interpreter, no shell, no such directory: the machine failed, not the probe
+            raise EnvironmentFailure(f"cannot start the probe process: {exc}") from exc
         self._live.add(proc)
         try:
             out, err = proc.communicate(timeout=spec.budget_s)
@@ -222,7 +241,8 @@ class Runner:
             return f"probe process killed by {name}{hint}"
         return f"probe process exited with status {rc}"
 
-    def _run_python(self, spec: ProbeSpec) -> ProbeResult:
+    def _run_python(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """One run of a Python probe: (result, whether the probe itself reported it)."""
         with tempfile.TemporaryDirectory(prefix="infra-agent-probe-") as tmp:
             req, out = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
             req.write_text(json.dumps({"probe": spec.id, "entry": spec.entry, "params": spec.params,
@@ -231,11 +251,11 @@ class Runner:
                 spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False)
             if timed_out:
                 return ProbeResult(probe=spec.id, status=Status.timeout, duration_s=secs, stdout=stdout, stderr=stderr,
-                                   reason=f"no result within budget_s={spec.budget_s:g}; process group killed")
+                                   reason=f"no result within budget_s={spec.budget_s:g}; process group killed"), False
             if out.is_file():
                 try:
                     res = ProbeResult.model_validate_json(out.read_text())
-                    return res.model_copy(update={"stdout": stdout, "stderr": stderr, "duration_s": secs})
+                    return res.model_copy(update={"stdout": stdout, "stderr": stderr, "duration_s": secs}), True
                 except Exception as exc:  # noqa: BLE001
                     reason = f"unreadable result: {exc}".splitlines()[0]
             else:
@@ -244,16 +264,17 @@ class Runner:
                 if last:
                     reason += f": {last[-1][:300]}"
             return ProbeResult(probe=spec.id, status=Status.error, duration_s=secs, stdout=stdout, stderr=stderr,
-                               reason=reason)
+                               reason=reason), False
 
-    def _run_command(self, spec: ProbeSpec) -> ProbeResult:
+    def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """One run of a command probe: (result, whether the command itself reported it)."""
         rc, stdout, stderr, secs, timed_out = self._spawn(spec, spec.command, shell=True)
         base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
         if timed_out:
             return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
-                               "process group killed", **base)
+                               "process group killed", **base), False
         if rc != 0:
-            return ProbeResult(status=Status.error, reason=self._exit_reason(rc), **base)
+            return ProbeResult(status=Status.error, reason=self._exit_reason(rc), **base), False
         lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
         try:
             data = json.loads(lines[-1]) if lines else None
@@ -263,10 +284,10 @@ class Runner:
                        for k, v in data.get("metrics", {}).items()}
             status = Status(data.get("status", "pass"))
             return ProbeResult(status=status, metrics=metrics, findings=data.get("findings", []),
-                               reason=data.get("reason"), **base)
+                               reason=data.get("reason"), **base), True
         except Exception as exc:  # noqa: BLE001 - garbage output is an error result, not a crash
             return ProbeResult(status=Status.error, reason=f"command printed no JSON result: {exc}".splitlines()[0],
-                               **base)
+                               **base), False
 
 
 def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from feedback.harness import judge
 from feedback.models import FeedbackReport, Status
+from feedback.verdict import evidence, verdict
 from infra_agent import gate
 from infra_agent.patch import Patch, PatchError
 from infra_agent.workspace import GitWorkspace
@@ -109,7 +110,7 @@ class Attempt:
     step: int
     hypothesis: str
     playbook: str | None
-    verdict: str  # better / worse / incorrect / no change / invalid / refused
+    verdict: str  # better / worse / incorrect / inconclusive / unchanged (feedback.verdict), invalid / refused
     decision: str  # accepted / held / discarded / refused
     reason: str
     commit: str | None = None
@@ -429,9 +430,12 @@ class Agent:
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
                        label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir)
         record.report = report
-        record.verdict, why = verdict(report)
-        record.reason = why
-        lines = [f"verdict: {record.verdict} ({why})", render_report(report)]
+        judgement = report.verdict or verdict(report)
+        record.verdict, record.reason = judgement.name, judgement.reason
+        lines = [f"verdict: {record.verdict} ({judgement.reason})", render_report(report)]
+        if judgement.broken_probes:
+            lines.append("note: these probes are broken on the baseline too (not your patch): "
+                         + "; ".join(judgement.broken_probes[:4]))
         if record.verdict != "better":
             record.decision = "discarded"
             self.ws.discard(cand)
@@ -459,41 +463,6 @@ class Agent:
             lines.append(f"decision: accepted as {record.commit[:10]}; it is the new baseline")
         self.emit("attempt", {"attempt": record})
         return "\n".join(lines)
-
-
-def evidence(report: FeedbackReport) -> list[dict]:
-    """Before/after metrics (with confidence intervals where measured) of a judged candidate."""
-    base = {r.probe: r for r in report.baseline_results}
-    out = []
-    for r in report.results:
-        b = base.get(r.probe)
-        for name, m in r.metrics.items():
-            bm = b.metrics.get(name) if b else None
-            out.append({"probe": r.probe, "metric": name, "unit": m.unit,
-                        "before": bm.value if bm else None, "before_ci": bm.ci if bm else None,
-                        "after": m.value, "after_ci": m.ci, "status_before": b.status.value if b else None,
-                        "status_after": r.status.value})
-    return out
-
-
-def verdict(report: FeedbackReport) -> tuple[str, str]:
-    """Correctness first, then performance: incorrect / worse / better / no change."""
-    bad = [r for r in report.results if r.status in (Status.failed, Status.error, Status.timeout)]
-    if bad:
-        return "incorrect", f"{len(bad)} probe(s) fail: " + ", ".join(r.probe for r in bad)
-    if any(a.holds is False for a in report.acceptance):
-        return "incorrect", "an acceptance criterion fails"
-    fixed = [c.probe for c in report.comparisons if c.baseline in (Status.failed, Status.error, Status.timeout)
-             and c.candidate == Status.passed]
-    regressed = [f"{c.probe}.{d.name}" for c in report.comparisons for d in c.deltas if d.verdict == "regressed"]
-    improved = [f"{c.probe}.{d.name}" for c in report.comparisons for d in c.deltas if d.verdict == "improved"]
-    if regressed and not fixed:
-        return "worse", "regressed: " + ", ".join(regressed[:4])
-    if fixed:
-        return "better", "now passing: " + ", ".join(fixed)
-    if improved:
-        return "better", "improved: " + ", ".join(improved[:4])
-    return "no change", "every selected probe passes, as before"
 
 
 # --- file actions ---------------------------------------------------------------------------------------

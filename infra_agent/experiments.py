@@ -21,10 +21,10 @@ from xml.sax.saxutils import escape
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from feedback.models import ProbeResult, Status
+from feedback.models import ProbeResult
+from feedback.verdict import replay_regressions
 
 SCHEMA_VERSION = 1
-PERF_KINDS = ("microbench", "e2e", "trace")
 
 
 class Base(BaseModel):
@@ -202,50 +202,12 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                                 duration_s=time.perf_counter() - t0)
         ids = [p.id for p in rec.probes]
         report = judge(tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False) if ids else None
-    details, regressed = [], []
-    now_by_id = {r.probe: r for r in (report.results if report else [])}
-    for p in rec.probes:
-        then, cur = p.result, now_by_id[p.id]
-        line = f"{p.id}: recorded {then.status.value}, now {cur.status.value}"
-        if p.kind in PERF_KINDS:
-            same_env = then.environment.key() == cur.environment.key()
-            if not same_env or Status.skipped in (then.status, cur.status):
-                details.append(line + " (performance: not comparable here, skipped)")
-                continue
-            worse = _perf_disagrees(then, cur)
-            if worse:
-                regressed.append(f"{p.id}: {worse}")
-            details.append(line + (f"; {worse}" if worse else "; within noise"))
-            continue
-        if then.status != cur.status:
-            regressed.append(f"{p.id} was {then.status.value}, now {cur.status.value}"
-                             + (f" ({cur.reason})" if cur.reason else "")
-                             + (f": {cur.findings[0].message}" if cur.findings else ""))
-        details.append(line)
-    if report:
-        for a in report.acceptance:
-            if a.holds is False:
-                regressed.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
+    regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes],
+                                            report.results if report else [], report.acceptance if report else [])
     status = "regressed" if regressed else "pass"
     reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
     return ReplayResult(record=rec.id, path=str(path), status=status, reason=reason, details=details,
                         duration_s=time.perf_counter() - t0)
-
-
-def _perf_disagrees(then: ProbeResult, now: ProbeResult, tolerance: float = 0.25) -> str | None:
-    """A performance metric that moved the wrong way beyond its CI (or beyond ``tolerance`` without one)."""
-    for name, m in then.metrics.items():
-        cur = now.metrics.get(name)
-        if cur is None or m.better not in ("lower", "higher") or m.value == 0:
-            continue
-        if m.ci and cur.ci:
-            worse = cur.ci[0] > m.ci[1] if m.better == "lower" else cur.ci[1] < m.ci[0]
-        else:
-            ratio = cur.value / m.value
-            worse = ratio > 1 + tolerance if m.better == "lower" else ratio < 1 - tolerance
-        if worse:
-            return f"{name} {m.value:.3g} -> {cur.value:.3g} (worse beyond noise)"
-    return None
 
 
 def junit_xml(results: list[ReplayResult]) -> str:

@@ -233,8 +233,8 @@ def test_openai_backend_drives_the_bundled_target(tmp_path, monkeypatch):
     (attempt,) = agent.attempts
     judged = {r.probe for r in attempt.report.results}
     assert {"kda.static.dot_precision", "kda.cp.correctness", "kda.cp.merge"} <= judged
-    # a comment changes no number: no change, discarded; but the gate saw a numerics line
-    assert attempt.verdict == "no change" and attempt.decision == "discarded"
+    # a comment changes no number: unchanged, discarded; but the gate saw a numerics line
+    assert attempt.verdict == "unchanged" and attempt.decision == "discarded"
     assert any("numerics" in r for r in attempt.risk)
 
 

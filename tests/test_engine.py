@@ -22,7 +22,8 @@ def greedy_by_recompute(model: HybridModel, prompt: list[int], n: int, prefix: t
     """The obviously-correct generator: run the whole sequence again for every new token."""
     seq = list(prompt)
     for _ in range(n):
-        logits = model(torch.tensor([seq]), prefix=None if prefix is None else prefix[None])
+        logits = model(torch.tensor([seq], device=model.embed.device),
+                       prefix=None if prefix is None else prefix[None].to(model.embed.device))
         seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt):]
 
@@ -39,7 +40,9 @@ def assert_no_leaks(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("kda_backend", ["triton", "torch"])
 def test_continuous_batching_equals_full_recompute(gen, kda_backend):
     # the Triton kernels (interpreted here) or the torch chunked form; pooled decode either way
-    model = HybridModel(ModelConfig(kda_backend=kda_backend))
+    # the Triton kernels take the GPU's tensors where there is one (fp32, so greedy outputs must still match)
+    dev = "cuda" if kda_backend == "triton" and torch.cuda.is_available() else "cpu"
+    model = HybridModel(ModelConfig(kda_backend=kda_backend)).to(dev)
     # lengths straddle a page (16) and the sparse-attention horizon (top_k * block = 64)
     prompts = [random_prompt(gen, n, model.cfg.vocab) for n in (5, 17, 70)]
     engine = LLMEngine(model)

@@ -87,7 +87,7 @@ probes:
   - id: toy.memory
     kind: correctness
     entry: "toy.probes:eats_memory"
-    memory_mb: 600
+    memory_mb: 2000  # an address-space limit: room for numpy and its BLAS threads on a 16-core host
     budget_s: 60
     covers: {files: ["toy/other.py"]}
   - {id: toy.skips, kind: microbench, entry: "toy.probes:skips", covers: {files: ["toy/core.py"]}}
@@ -257,9 +257,14 @@ def test_cache_serves_unchanged_probes_and_misses_after_a_covered_change(toy):
     (toy / "toy" / "value.txt").write_text("2")
     changed = judge(toy, probe_ids=["toy.ok"])
     assert not changed.results[0].cached and changed.results[0].metrics["marker"].value == 2.0
-    # errors are never cached
-    judge(toy, probe_ids=["toy.raises"])
-    assert not judge(toy, probe_ids=["toy.raises"]).results[0].cached
+    # the probe's own exception is what these files raise here: served from the cache like a result
+    raised = judge(toy, probe_ids=["toy.raises"]).results[0]
+    again = judge(toy, probe_ids=["toy.raises"]).results[0]
+    assert raised.status == again.status == Status.error and again.cached and again.reason == raised.reason
+    # a crashed probe process (no result written) is re-run every time
+    judge(toy, probe_ids=["toy.segfault"])
+    crashed = judge(toy, probe_ids=["toy.segfault"]).results[0]
+    assert crashed.status == Status.error and not crashed.cached
 
 
 # --- selection and the cascade ----------------------------------------------------------------

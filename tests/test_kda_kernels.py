@@ -15,7 +15,7 @@ from target_stack.ops.kda import (
     naive_chunk_kda,
     naive_recurrent_kda,
 )
-from target_stack.ops.kda.testing import make_inputs, rel_err
+from target_stack.ops.kda.testing import DEVICE, make_inputs, rel_err
 
 TOL = 1e-5
 OPS_DIR = pathlib.Path(__file__).resolve().parents[1] / "target_stack" / "ops"
@@ -75,8 +75,8 @@ def test_naive_recurrent_is_the_delta_rule(gen):
     ],
 )
 def test_chunk_kda_matches_reference(B, T, H, K, V, use_h0, gen):
-    x = make_inputs(B, T, H, K, V, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen) if use_h0 else None
+    x = make_inputs(B, T, H, K, V, generator=gen, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE) if use_h0 else None
     o, s = chunk_kda(*x, initial_state=h0, output_final_state=True)
     ro, rs = ref64(*x, h0=h0)
     assert o.shape == (B, T, H, V) and o.dtype == torch.float32 and s.dtype == torch.float32
@@ -87,9 +87,9 @@ def test_chunk_kda_matches_reference(B, T, H, K, V, use_h0, gen):
 def test_chunk_kda_varlen_matches_per_sequence_reference(gen):
     lens = [5, 70, 1, 64, 33]
     T, H, K, V = sum(lens), 2, 32, 16
-    x = make_inputs(1, T, H, K, V, generator=gen)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    h0 = torch.randn(len(lens), H, K, V, generator=gen)
+    x = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    h0 = torch.randn(len(lens), H, K, V, generator=gen).to(DEVICE)
     o, s = chunk_kda(*x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     for n in range(len(lens)):
         a, b = cu[n].item(), cu[n + 1].item()
@@ -100,7 +100,7 @@ def test_chunk_kda_varlen_matches_per_sequence_reference(gen):
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)
 def test_chunk_kda_large_decay_does_not_overflow(T, gen):
     """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""
-    q, k, v, g, beta = make_inputs(1, T, 1, 16, 16, generator=gen)
+    q, k, v, g, beta = make_inputs(1, T, 1, 16, 16, generator=gen, device=DEVICE)
     g = g - 4.0
     o, s = chunk_kda(q, k, v, g, beta, output_final_state=True)
     ro, rs = ref64(q, k, v, g, beta)
@@ -108,7 +108,7 @@ def test_chunk_kda_large_decay_does_not_overflow(T, gen):
 
 
 def test_chunk_kda_bf16_inputs(gen):
-    x = make_inputs(1, 80, 2, 32, 32, generator=gen)
+    x = make_inputs(1, 80, 2, 32, 32, generator=gen, device=DEVICE)
     xb = tuple(t.bfloat16() for t in x)
     o, s = chunk_kda(*xb, output_final_state=True)
     ro, rs = ref64(*xb)  # same (bf16-rounded) inputs: only the kernel's arithmetic differs
@@ -120,17 +120,17 @@ def test_chunk_kda_bf16_inputs(gen):
 
 @pytest.mark.parametrize("B,T,H,K,V,use_h0", [(3, 1, 2, 32, 48, True), (2, 19, 1, 16, 16, False), (1, 5, 4, 64, 32, True)])
 def test_fused_recurrent_matches_reference(B, T, H, K, V, use_h0, gen):
-    x = make_inputs(B, T, H, K, V, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen) if use_h0 else None
+    x = make_inputs(B, T, H, K, V, generator=gen, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE) if use_h0 else None
     o, s = fused_recurrent_kda(*x, initial_state=h0, output_final_state=True)
     ro, rs = ref64(*x, h0=h0)
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
 def test_fused_recurrent_in_kernel_l2norm_and_beta_sigmoid(gen):
-    q, k, v, g, beta = make_inputs(2, 3, 2, 32, 16, generator=gen)
-    q_raw, k_raw = q * 3.0, torch.randn(k.shape, generator=gen)
-    logits = torch.randn(beta.shape, generator=gen)
+    q, k, v, g, beta = make_inputs(2, 3, 2, 32, 16, generator=gen, device=DEVICE)
+    q_raw, k_raw = q * 3.0, torch.randn(k.shape, generator=gen).to(DEVICE)
+    logits = torch.randn(beta.shape, generator=gen).to(DEVICE)
     o, s = fused_recurrent_kda(q_raw, k_raw, v, g, logits, output_final_state=True,
                                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
     norm = lambda t: t / torch.sqrt((t.double() ** 2).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
@@ -140,11 +140,11 @@ def test_fused_recurrent_in_kernel_l2norm_and_beta_sigmoid(gen):
 
 def test_fused_recurrent_pool_updates_slots_in_place_and_never_writes_null_slot(gen):
     H, K, V = 2, 32, 16
-    pool = torch.randn(6, H, K, V, generator=gen)
+    pool = torch.randn(6, H, K, V, generator=gen).to(DEVICE)
     pool[0] = 1e30  # the null slot, poisoned
     before = pool.clone()
-    slots = torch.tensor([4, 0, 2, 0], dtype=torch.int32)
-    x = make_inputs(4, 1, H, K, V, generator=gen)
+    slots = torch.tensor([4, 0, 2, 0], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(4, 1, H, K, V, generator=gen, device=DEVICE)
     o, ret = fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)
     assert ret is pool
     assert torch.equal(pool[0], before[0])  # bit-identical
@@ -161,14 +161,14 @@ def test_fused_recurrent_pool_updates_slots_in_place_and_never_writes_null_slot(
 def test_decode_steps_continue_a_chunked_prefill(gen):
     """Prefill with chunk_kda, then decode token by token with the pooled kernel: equals one pass."""
     T, H, K, V = 70, 2, 32, 32
-    x = make_inputs(1, T + 3, H, K, V, generator=gen)
+    x = make_inputs(1, T + 3, H, K, V, generator=gen, device=DEVICE)
     _, s = chunk_kda(*(t[:, :T] for t in x), output_final_state=True)
-    pool = torch.zeros(3, H, K, V)
+    pool = torch.zeros(3, H, K, V, device=DEVICE)
     pool[2] = s[0]
     outs = []
     for t in range(T, T + 3):
         o, _ = fused_recurrent_kda(*(z[:, t : t + 1] for z in x), initial_state=pool,
-                                   ssm_state_indices=torch.tensor([2]))
+                                   ssm_state_indices=torch.tensor([2], device=DEVICE))
         outs.append(o)
     ro, rs = ref64(*x)
     assert rel_err(torch.cat(outs, 1), ro[:, T:]) < TOL and rel_err(pool[2:3], rs) < TOL
@@ -180,8 +180,8 @@ def test_decode_steps_continue_a_chunked_prefill(gen):
 @pytest.mark.parametrize("P", [1, 2, 3, 8])
 def test_cp_equals_unpartitioned(P, gen):
     B, T, H, K, V = 2, 150, 2, 32, 16
-    x = make_inputs(B, T, H, K, V, decay_shift=2.0, generator=gen)
-    h0 = torch.randn(B, H, K, V, generator=gen)
+    x = make_inputs(B, T, H, K, V, decay_shift=2.0, generator=gen, device=DEVICE)
+    h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE)
     o, s = chunk_kda_cp(*x, P, initial_state=h0, output_final_state=True)
     uo, us = chunk_kda(*x, initial_state=h0, output_final_state=True)
     ro, rs = ref64(*x, h0=h0)
@@ -190,7 +190,7 @@ def test_cp_equals_unpartitioned(P, gen):
 
 
 def test_cp_partitions_may_be_single_tokens(gen):
-    x = make_inputs(1, 9, 1, 16, 16, generator=gen)
+    x = make_inputs(1, 9, 1, 16, 16, generator=gen, device=DEVICE)
     o, s = chunk_kda_cp(*x, 9, output_final_state=True)
     ro, rs = ref64(*x)
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL

@@ -80,8 +80,9 @@ def test_kv_storage_round_trip(kind, gen):
 def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen, backend):
     from target_stack.model.kda_layer import KDALayer
 
-    layer = KDALayer(dim=48, heads=2, head_k=16, head_v=16, generator=gen, backend=backend)
-    x = torch.randn(2, 23, 48, generator=gen)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # Triton: the GPU's tensors
+    layer = KDALayer(dim=48, heads=2, head_k=16, head_v=16, generator=gen, backend=backend).to(dev)
+    x = torch.randn(2, 23, 48, generator=gen).to(dev)
     with torch.no_grad():
         full = layer(x)
         assert rel_err(full, layer.reference(x)) < 1e-5
@@ -97,15 +98,16 @@ def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen, backen
 def test_hybrid_model_serving_path_matches_the_reference_path(gen):
     from target_stack.model.model import HybridModel, ModelConfig
 
-    model = HybridModel(ModelConfig(kda_backend="triton"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: the GPU, or the interpreter
+    model = HybridModel(ModelConfig(kda_backend="triton")).to(dev)
     kinds = ["attn" if b.is_attn else "kda" for b in model.blocks]
     assert kinds == ["kda", "kda", "kda", "attn"]
     T = model.cfg.block * model.cfg.top_k_blocks  # sparse attention is exact up to top_k * block tokens
-    tokens = torch.randint(0, model.cfg.vocab, (2, T), generator=gen)
+    tokens = torch.randint(0, model.cfg.vocab, (2, T), generator=gen).to(dev)
     logits = model(tokens)
     assert logits.shape == (2, T, model.cfg.vocab) and torch.isfinite(logits).all()
     assert rel_err(logits, model.reference(tokens)) < 1e-4
     with pytest.raises(ValueError, match="token ids"):
-        model(torch.full((1, 3), model.cfg.vocab))
+        model(torch.full((1, 3), model.cfg.vocab, device=dev))
     with pytest.raises(ValueError, match="unknown preset"):
         HybridModel("huge")

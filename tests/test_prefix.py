@@ -54,8 +54,10 @@ def test_sparse_attention_for_the_last_queries_equals_those_rows_of_the_full_cal
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_kda_prefill_with_a_tail_is_the_same_prefill_and_exposes_the_state_before_the_tail(gen, backend):
-    layer = KDALayer(32, 2, 16, 16, generator=gen, backend=backend)
-    x = torch.randn(1, 40, 32, generator=gen)
+    # the Triton kernels take the GPU's tensors where there is one, the interpreter's CPU tensors otherwise
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    layer = KDALayer(32, 2, 16, 16, generator=gen, backend=backend).to(dev)
+    x = torch.randn(1, 40, 32, generator=gen).to(dev)
     whole, state = layer.prefill(x)
     split, state2, tail = layer.prefill_with_tail(x, None, 12)
     assert rel_err(split, whole) < 1e-5 and rel_err(state2.kda, state.kda) < 1e-5

@@ -18,3 +18,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
             "set TRITON_INTERPRET=1 in the environment, or import target_stack.ops first"
         )
     os.environ["TRITON_INTERPRET"] = "1"
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from target_stack.ops.interpreter import patch as _patch_interpreter
+
+    _patch_interpreter()

@@ -27,7 +27,7 @@ NATIVE = "target_stack/engine/native/__init__.py"
 def _greedy_recompute(model: HybridModel, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
-        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+        seq.append(int(model(torch.tensor([seq], device=model.embed.device))[0, -1].argmax()))
     return seq[len(prompt):]
 
 
@@ -39,7 +39,8 @@ def engine_correctness(ctx: ProbeContext) -> None:
     model = HybridModel(ModelConfig(kda_backend=ctx.params.get("kda_backend", "auto")))
     n = int(ctx.params.get("max_tokens", 4))
     prompts = [torch.randint(0, model.cfg.vocab, (L,), generator=gen).tolist() for L in ctx.params["prompt_lengths"]]
-    outs = LLMEngine(model).generate(prompts, SamplingParams(max_tokens=n))
+    engine = LLMEngine(model, device=ctx.device)  # the model moves to the probe's device
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n))
     mismatches = 0
     for prompt, out in zip(prompts, outs, strict=True):
         ref = _greedy_recompute(model, prompt, n)
@@ -62,8 +63,9 @@ def pool_accounting(ctx: ProbeContext) -> None:
     prompts = [torch.randint(0, model.cfg.vocab, (p["prompt_length"],), generator=gen).tolist()
                for _ in range(p["requests"])]
     params = SamplingParams(max_tokens=p["max_tokens"])
-    roomy = LLMEngine(model).generate(prompts, params)
-    tight = LLMEngine(model, num_pages=p["num_pages"], page_size=p["page_size"], max_model_len=p["max_model_len"])
+    roomy = LLMEngine(model, device=ctx.device).generate(prompts, params)
+    tight = LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=p["page_size"],
+                      max_model_len=p["max_model_len"])
     ids = [tight.add_request(q, params) for q in prompts]
     extra = tight.add_request(prompts[0], SamplingParams(max_tokens=p["max_tokens"]))
     try:
@@ -107,8 +109,8 @@ def prefix_reuse(ctx: ProbeContext) -> None:
     model = HybridModel("tiny")
     vocab = model.cfg.vocab
     base = torch.randint(0, vocab, (p["base_length"],), generator=gen).tolist()
-    cached = LLMEngine(model, prefix_cache=True, prefix_ring=p.get("ring", 64))
-    plain = LLMEngine(model)
+    cached = LLMEngine(model, device=ctx.device, prefix_cache=True, prefix_ring=p.get("ring", 64))
+    plain = LLMEngine(model, device=ctx.device)
     cached.generate([base], SamplingParams(max_tokens=1))
     worst, hits = 0.0, 0
     for keep, extra in p["cases"]:  # (positions of base kept, new tokens after them)

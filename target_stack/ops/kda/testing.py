@@ -24,13 +24,24 @@ def make_inputs(
     ``decay_shift`` means slower forgetting (longer memory), which is where a merge chain's
     rounding error has room to grow.
     """
-    kw = dict(dtype=torch.float32, device=device, generator=generator)
+    # drawn where the generator lives (a CPU generator can serve a GPU run), kept on ``device``
+    kw = dict(dtype=torch.float32, device=generator.device if generator is not None else device, generator=generator)
     q = torch.randn(B, T, H, K, **kw)
     k = F.normalize(torch.randn(B, T, H, K, **kw), dim=-1)
     v = torch.randn(B, T, H, V, **kw)
     g = F.logsigmoid(torch.randn(B, T, H, K, **kw) + decay_shift)
     beta = torch.rand(B, T, H, **kw).clamp_min(1e-3)
-    return tuple(x.to(dtype) for x in (q, k, v, g, beta))
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta))
+
+
+def default_device() -> str:
+    """Where the Triton kernels run here: the GPU when there is one, else the interpreter's CPU."""
+    import os
+
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+DEVICE = default_device()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

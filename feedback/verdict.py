@@ -1,0 +1,302 @@
+"""The judgement of a candidate against its baseline: one module, one noise rule, one kind table.
+
+Everything that says "better", "worse", "regressed" or "holds" comes from here: the per-metric
+comparison the report shows, the acceptance criteria, the candidate's verdict (with the evidence a
+reviewer sees) and the replay of a committed experiment record.
+
+The kind table.  Probes of the *status* kinds (static, correctness, trace, events) are judged by
+their status and thresholds: their numbers (errors on fresh random inputs, a trace's totals) move
+from run to run and are shown, never judged.  Probes of the *performance* kinds (microbench, e2e)
+are judged by their metrics.
+
+The noise rule.  A performance metric changes only when the evidence says so:
+
+* it needs repeats: a metric measured once on either side is "unchanged" (one run is not
+  evidence); the runner repeats performance probes (``repeats`` in the manifest, 3 by default)
+  and keeps every run's value in ``Metric.samples``;
+* the interval of the change (a bootstrap 95% interval of median(candidate) / median(baseline),
+  or the probes' own intervals when they measured one) must exclude 1;
+* and the change must be larger than the noise floor, measured by the harness itself from the
+  baseline's repeats against each other (an A/A comparison: the largest ratio between two runs of
+  the same tree), never below :data:`MIN_NOISE`.
+
+Verdicts, in the order they win: ``incorrect`` (a probe or acceptance criterion that held on the
+baseline fails on the candidate, errors or times out there), ``inconclusive`` (a probe errors or
+times out on both sides, or the environment failed: the probe is broken, not the candidate),
+``better`` (a failing probe or criterion now holds), ``worse`` (a performance metric regressed
+beyond the noise), ``better`` (improved beyond the noise), ``unchanged``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Sequence
+from feedback.manifest import Criterion, Manifest
+from feedback.models import (CriterionResult, FeedbackReport, Metric, MetricDelta, ProbeComparison, ProbeResult,
+                             Status, Verdict)
+
+PERFORMANCE_KINDS = ("microbench", "e2e")
+STATUS_KINDS = ("static", "correctness", "trace", "events")
+DEFAULT_REPEATS = {kind: 3 for kind in PERFORMANCE_KINDS}
+MIN_NOISE = 0.02  # a change below 2% is never called a change, however tight the repeats were
+BOOTSTRAP = 2000
+_BAD = (Status.failed, Status.error, Status.timeout)
+_BROKEN = (Status.error, Status.timeout)
+
+
+def judged_by_performance(kind: str) -> bool:
+    return kind in PERFORMANCE_KINDS
+
+
+def repeats_for(kind: str, declared: int | None) -> int:
+    """How many times the runner runs a probe: the manifest's ``repeats``, else the kind's default."""
+    return declared if declared is not None else DEFAULT_REPEATS.get(kind, 1)
+
+
+# --- statistics -------------------------------------------------------------------------------------
+
+
+def median_interval(samples: Sequence[float], seed: int = 0) -> tuple[float, float] | None:
+    """Bootstrap 95% interval of the median of ``samples`` (None below two samples)."""
+    if len(samples) < 2:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(BOOTSTRAP))
+    return meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]
+
+
+def noise_floor(samples: Sequence[float]) -> float | None:
+    """The A/A noise of repeated runs of one tree: the largest ratio between two of them, minus 1."""
+    xs = [x for x in samples if math.isfinite(x)]
+    if len(xs) < 2 or min(xs) <= 0:
+        return None
+    return max(xs) / min(xs) - 1.0
+
+
+def ratio_interval(base: Metric, cand: Metric, seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of median(candidate) / median(baseline): bootstrap over both sides' repeats,
+    or the probes' own intervals when a side was measured once."""
+    if len(base.samples) >= 2 and len(cand.samples) >= 2 and min(base.samples) > 0:
+        rng = random.Random(seed)
+        ratios = sorted(statistics.median(rng.choices(cand.samples, k=len(cand.samples)))
+                        / statistics.median(rng.choices(base.samples, k=len(base.samples))) for _ in range(BOOTSTRAP))
+        return ratios[int(0.025 * BOOTSTRAP)], ratios[int(0.975 * BOOTSTRAP) - 1]
+    if base.ci and cand.ci and base.ci[0] > 0 and base.ci[1] > 0:
+        return cand.ci[0] / base.ci[1], cand.ci[1] / base.ci[0]
+    return None
+
+
+def combine_runs(runs: list[ProbeResult]) -> ProbeResult:
+    """One result from repeated runs of a probe: the median of each metric, every run's value kept
+    as its samples, with a bootstrap interval.  A run that did not complete decides the result."""
+    if len(runs) == 1:
+        return runs[0]
+    for i, r in enumerate(runs):
+        if r.status not in (Status.passed, Status.failed):
+            reason = f"run {i + 1} of {len(runs)}: {r.reason}" if r.reason else f"run {i + 1} of {len(runs)}"
+            return r.model_copy(update={"reason": reason})
+    metrics = {}
+    for name, first in runs[0].metrics.items():
+        values = [r.metrics[name].value for r in runs if name in r.metrics]
+        metrics[name] = first.model_copy(update={"value": statistics.median(values), "samples": values,
+                                                 "ci": median_interval(values) or first.ci})
+    findings, seen = [], set()
+    for r in runs:
+        for f in r.findings:
+            if f.message not in seen:
+                seen.add(f.message)
+                findings.append(f)
+    status = Status.failed if any(r.status == Status.failed for r in runs) else Status.passed
+    return runs[-1].model_copy(update={"status": status, "metrics": metrics, "findings": findings,
+                                       "duration_s": sum(r.duration_s for r in runs)})
+
+
+# --- comparison -------------------------------------------------------------------------------------
+
+
+def compare_metric(name: str, base: Metric | None, cand: Metric | None, kind: str) -> MetricDelta:
+    """The change of one metric from baseline to candidate, under the noise rule."""
+    if base is None or cand is None:
+        m = base or cand
+        return MetricDelta(name=name, baseline=base.value if base else None, candidate=cand.value if cand else None,
+                           unit=m.unit, verdict="new" if base is None else "gone")
+    change = cand.value / base.value if base.value != 0 and math.isfinite(base.value) else None
+    delta = MetricDelta(name=name, baseline=base.value, candidate=cand.value, unit=cand.unit, change=change,
+                        samples=min(len(base.samples), len(cand.samples)))
+    better = cand.better or base.better
+    if not judged_by_performance(kind) or better not in ("lower", "higher"):
+        return delta  # shown, not judged
+    noise = noise_floor(base.samples)
+    delta.noise = max(noise, MIN_NOISE) if noise is not None else None
+    delta.ci = ratio_interval(base, cand)
+    if change is None or delta.ci is None:
+        delta.verdict, delta.note = "unchanged", "one run is not evidence"
+        return delta
+    floor = delta.noise if delta.noise is not None else MIN_NOISE
+    outside = delta.ci[0] > 1 or delta.ci[1] < 1
+    if not outside or abs(change - 1) <= floor:
+        delta.verdict, delta.note = "unchanged", f"within the noise (A/A {floor:.1%})"
+        return delta
+    worse = change > 1 if better == "lower" else change < 1
+    delta.verdict = "regressed" if worse else "improved"
+    return delta
+
+
+def compare(manifest: Manifest, candidate: list[ProbeResult], baseline: list[ProbeResult],
+            localise=None) -> list[ProbeComparison]:
+    """Per probe: both statuses and every metric's delta; ``localise(spec, result)`` adds the lines."""
+    base = {r.probe: r for r in baseline}
+    out = []
+    for r in candidate:
+        spec = manifest.probe(r.probe)
+        b = base.get(r.probe)
+        names = list(r.metrics) + [n for n in (b.metrics if b else {}) if n not in r.metrics]
+        if b:
+            deltas = [compare_metric(n, b.metrics.get(n), r.metrics.get(n), spec.kind) for n in names]
+        else:
+            deltas = [MetricDelta(name=n, baseline=None, candidate=m.value, unit=m.unit) for n, m in r.metrics.items()]
+        out.append(ProbeComparison(probe=r.probe, kind=spec.kind, baseline=b.status if b else None,
+                                   candidate=r.status, deltas=deltas,
+                                   localisation=localise(spec, r) if localise else []))
+    return out
+
+
+def evaluate_acceptance(manifest: Manifest, results: list[ProbeResult]) -> list[CriterionResult]:
+    by_id = {r.probe: r for r in results}
+    out = []
+    for c in manifest.acceptance:
+        metric, op, bound = c.parts()
+        pid, name = manifest.split_metric(metric)
+        r = by_id.get(pid)
+        if r is None or name not in r.metrics:
+            why = "probe not run" if r is None else f"probe {r.status.value}, no metric {name}"
+            out.append(CriterionResult(name=c.name, expression=c.expr, value=None, holds=None, reason=why))
+            continue
+        value = r.metrics[name].value
+        out.append(CriterionResult(name=c.name, expression=c.expr, value=value,
+                                   holds=Criterion.compare(value, op, bound)))
+    return out
+
+
+# --- the verdict ------------------------------------------------------------------------------------
+
+
+def _why(r: ProbeResult) -> str:
+    if r.reason:
+        return r.reason
+    return r.findings[0].message if r.findings else r.status.value
+
+
+def verdict(report: FeedbackReport) -> Verdict:
+    """Correctness first, then performance; see the module docstring for the order."""
+    base = {r.probe: r for r in report.baseline_results}
+    broke, fixed, broken, still = [], [], [], []
+    for r in report.results:
+        b = base.get(r.probe)
+        b_status = b.status if b else None
+        if r.environment_failure or (b is not None and b.environment_failure):
+            broken.append(f"{r.probe} (environment: {_why(r if r.environment_failure else b)})")
+        elif r.status in _BAD and b_status in _BROKEN and r.status in _BROKEN:
+            broken.append(f"{r.probe} ({r.status.value} on both sides: {_why(r)})")
+        elif r.status in _BAD and b_status in _BAD:
+            still.append(r.probe)
+        elif r.status in _BAD:
+            broke.append(f"{r.probe} {r.status.value}: {_why(r)}")
+        elif b_status in _BAD and r.status == Status.passed:
+            fixed.append(r.probe)
+    base_acc = {a.name: a for a in report.baseline_acceptance}
+    for a in report.acceptance:
+        before = base_acc.get(a.name)
+        held_before = before.holds if before else None
+        if a.holds is False and held_before is not False:
+            broke.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
+        elif a.holds is True and held_before is False:
+            fixed.append(f"acceptance {a.name}")
+    regressed = [f"{c.probe}.{d.name} {_change(d)}" for c in report.comparisons for d in c.deltas
+                 if d.verdict == "regressed"]
+    improved = [f"{c.probe}.{d.name} {_change(d)}" for c in report.comparisons for d in c.deltas
+                if d.verdict == "improved"]
+    parts = dict(broke=broke, fixed=fixed, broken_probes=broken, still_failing=still, regressed=regressed,
+                 improved=improved)
+    if broke:
+        return Verdict(name="incorrect", reason=f"{len(broke)} check(s) that held on the baseline fail: "
+                       + "; ".join(broke[:4]), **parts)
+    if broken:
+        return Verdict(name="inconclusive", reason="the probe is broken, not the candidate: " + "; ".join(broken[:4]),
+                       **parts)
+    if fixed:
+        return Verdict(name="better", reason="now passing: " + ", ".join(fixed[:6]), **parts)
+    if regressed:
+        return Verdict(name="worse", reason="regressed beyond the noise: " + ", ".join(regressed[:4]), **parts)
+    if improved:
+        return Verdict(name="better", reason="improved beyond the noise: " + ", ".join(improved[:4]), **parts)
+    if still:
+        return Verdict(name="unchanged", reason="still failing as on the baseline: " + ", ".join(still[:6]), **parts)
+    return Verdict(name="unchanged", reason="every selected probe holds as before; no change beyond the noise",
+                   **parts)
+
+
+def _change(d: MetricDelta) -> str:
+    if d.change is None:
+        return f"{d.baseline:.3g} -> {d.candidate:.3g}"
+    text = f"x{d.change:.3f}"
+    if d.ci:
+        text += f" [{d.ci[0]:.3f}, {d.ci[1]:.3f}]"
+    if d.noise is not None:
+        text += f", A/A noise {d.noise:.1%}"
+    return text
+
+
+def evidence(report: FeedbackReport) -> list[dict]:
+    """Before/after metrics of a judged candidate, with their intervals, noise and verdicts."""
+    results = {r.probe: r for r in report.results}
+    base = {r.probe: r for r in report.baseline_results}
+    out = []
+    for c in report.comparisons:
+        r, b = results[c.probe], base.get(c.probe)
+        for d in c.deltas:
+            bm, m = (b.metrics.get(d.name) if b else None), r.metrics.get(d.name)
+            out.append({"probe": c.probe, "metric": d.name, "unit": d.unit,
+                        "before": d.baseline, "before_ci": bm.ci if bm else None,
+                        "after": d.candidate, "after_ci": m.ci if m else None,
+                        "change": d.change, "change_ci": d.ci, "noise": d.noise, "verdict": d.verdict,
+                        "status_before": c.baseline.value if c.baseline else None,
+                        "status_after": c.candidate.value})
+    return out
+
+
+# --- replay -----------------------------------------------------------------------------------------
+
+
+def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeResult],
+                       acceptance: list[CriterionResult]) -> tuple[list[str], list[str]]:
+    """What a re-run of a committed record says: (regressions, one detail line per probe).
+
+    Status kinds must end as they were recorded; performance kinds must not regress under the
+    noise rule (and are only compared where the environment is the same)."""
+    now_by_id = {r.probe: r for r in now}
+    details, regressed = [], []
+    for kind, then in recorded:
+        cur = now_by_id[then.probe]
+        line = f"{then.probe}: recorded {then.status.value}, now {cur.status.value}"
+        if judged_by_performance(kind):
+            if then.environment.key() != cur.environment.key() or Status.skipped in (then.status, cur.status):
+                details.append(line + " (performance: not comparable here, skipped)")
+                continue
+            worse = [f"{d.name} {_change(d)}" for n, m in then.metrics.items()
+                     if (d := compare_metric(n, m, cur.metrics.get(n), kind)).verdict == "regressed"]
+            if worse:
+                regressed.append(f"{then.probe}: " + ", ".join(worse))
+            details.append(line + (f"; regressed: {', '.join(worse)}" if worse else "; within the noise"))
+            continue
+        if then.status != cur.status:
+            regressed.append(f"{then.probe} was {then.status.value}, now {cur.status.value}"
+                             + (f" ({cur.reason})" if cur.reason else "")
+                             + (f": {cur.findings[0].message}" if cur.findings else ""))
+        details.append(line)
+    for a in acceptance:
+        if a.holds is False:
+            regressed.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
+    return regressed, details

@@ -1,0 +1,235 @@
+"""The one judgement (feedback/verdict.py): every verdict, the noise rule, the A/A floor, replay.
+
+Unit cases on constructed results, then the real harness on a toy target whose probes are real
+subprocesses: a candidate is judged against a baseline tree exactly as the agent judges one.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+import pytest
+
+from feedback.harness import judge
+from feedback.manifest import parse_manifest
+from feedback.models import CriterionResult, FeedbackReport, Finding, Metric, ProbeResult, Status
+from feedback.verdict import (MIN_NOISE, combine_runs, compare, compare_metric, noise_floor, replay_regressions,
+                              verdict)
+
+MANIFEST = parse_manifest("""
+schema_version: 1
+name: unit
+probes:
+  - {id: c, kind: correctness, entry: "m:f"}
+  - {id: d, kind: correctness, entry: "m:f"}
+  - {id: t, kind: microbench, entry: "m:f"}
+""", "unit.yaml")
+
+
+def result(probe: str, status: Status = Status.passed, reason: str | None = None, env: bool = False,
+           **metrics: Metric) -> ProbeResult:
+    return ProbeResult(probe=probe, status=status, reason=reason, environment_failure=env, metrics=metrics)
+
+
+def timed(*values: float) -> Metric:
+    return combine_runs([result("t", **{"ms": Metric(value=v, better="lower")}) for v in values]).metrics["ms"]
+
+
+def report(cand: list[ProbeResult], base: list[ProbeResult], acc=(), base_acc=()) -> FeedbackReport:
+    return FeedbackReport(target="unit", candidate="c", baseline="b", results=cand, baseline_results=base,
+                          comparisons=compare(MANIFEST, cand, base), acceptance=list(acc),
+                          baseline_acceptance=list(base_acc))
+
+
+def crit(holds: bool | None, value: float | None = 1.0) -> CriterionResult:
+    return CriterionResult(name="precise", expression="c.err <= 1e-6", value=value, holds=holds)
+
+
+# --- every verdict -----------------------------------------------------------------------------------
+
+
+def test_a_check_that_held_and_now_fails_is_incorrect():
+    v = verdict(report([result("c", Status.failed)], [result("c")]))
+    assert v.name == "incorrect" and v.broke == ["c fail: fail"]
+
+
+def test_a_probe_that_errors_only_on_the_candidate_is_the_candidates_fault():
+    v = verdict(report([result("c", Status.error, "IndexError: out of bounds (at k.py:3)")], [result("c")]))
+    assert v.name == "incorrect" and "IndexError" in v.reason
+    v = verdict(report([result("c", Status.timeout, "no result within budget_s=2")], [result("c")]))
+    assert v.name == "incorrect"
+
+
+def test_a_probe_that_errors_on_both_sides_is_inconclusive_and_says_the_probe_is_broken():
+    gpu = "ValueError: Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"
+    v = verdict(report([result("c", Status.error, gpu), result("d")], [result("c", Status.error, gpu), result("d")]))
+    assert v.name == "inconclusive" and "the probe is broken, not the candidate" in v.reason and gpu in v.reason
+    assert v.broken_probes and not v.broke
+
+
+def test_an_environment_failure_is_never_blamed_on_the_candidate():
+    v = verdict(report([result("c", Status.error, "harness: disk full", env=True)], [result("c")]))
+    assert v.name == "inconclusive" and "environment" in v.reason
+
+
+def test_a_fix_is_better_and_a_probe_failing_on_both_sides_is_unchanged():
+    assert verdict(report([result("c")], [result("c", Status.failed)])).name == "better"
+    v = verdict(report([result("c", Status.failed)], [result("c", Status.failed)]))
+    assert v.name == "unchanged" and v.still_failing == ["c"] and "still failing" in v.reason
+
+
+def test_acceptance_counts_against_the_baseline_not_in_absolute_terms():
+    # held before, fails now: incorrect; failed before and still: not the candidate's doing
+    assert verdict(report([result("c")], [result("c")], [crit(False)], [crit(True)])).name == "incorrect"
+    assert verdict(report([result("c")], [result("c")], [crit(False)], [crit(False)])).name == "unchanged"
+    v = verdict(report([result("c")], [result("c")], [crit(True)], [crit(False)]))
+    assert v.name == "better" and v.fixed == ["acceptance precise"]
+
+
+def test_performance_worse_better_and_unchanged_by_the_noise_rule():
+    slow = verdict(report([result("t", ms=timed(20.0, 20.4, 19.8))], [result("t", ms=timed(10.0, 10.2, 9.9))]))
+    assert slow.name == "worse" and slow.regressed[0].startswith("t.ms x2.0")
+    fast = verdict(report([result("t", ms=timed(5.0, 5.1, 4.9))], [result("t", ms=timed(10.0, 10.2, 9.9))]))
+    assert fast.name == "better" and fast.improved
+    same = verdict(report([result("t", ms=timed(10.1, 9.9, 10.0))], [result("t", ms=timed(10.0, 10.2, 9.9))]))
+    assert same.name == "unchanged"
+
+
+def test_one_run_of_a_performance_metric_is_not_evidence():
+    d = compare_metric("ttft_ms", Metric(value=83.8, better="lower"), Metric(value=116.7, better="lower"), "e2e")
+    assert d.verdict == "unchanged" and d.note == "one run is not evidence"
+
+
+def test_a_change_inside_the_measured_a_a_noise_is_unchanged():
+    # the H200's e2e repeats of one tree: TTFT 83.8 and 116.7 ms; a candidate 20% slower is inside that
+    base, cand = timed(83.8, 116.7, 95.0), timed(110.0, 120.0, 118.0)
+    d = compare_metric("ttft_ms", base, cand, "e2e")
+    assert d.noise == pytest.approx(116.7 / 83.8 - 1) and d.verdict == "unchanged" and "A/A" in d.note
+    # the same change against a quiet baseline is a regression, and shows the floor it beat
+    quiet = compare_metric("ttft_ms", timed(95.0, 96.0, 95.5), cand, "e2e")
+    assert quiet.verdict == "regressed" and quiet.noise == pytest.approx(max(96.0 / 95.0 - 1, MIN_NOISE))
+    assert quiet.ci[0] > 1
+
+
+def test_noise_floor_and_the_minimum():
+    assert noise_floor([1.0, 1.1, 1.05]) == pytest.approx(0.1)
+    assert noise_floor([3.0]) is None
+    d = compare_metric("ms", timed(10.0, 10.0, 10.0), timed(10.1, 10.1, 10.1), "microbench")
+    assert d.verdict == "unchanged" and d.noise == MIN_NOISE  # 1% is never a change
+
+
+def test_status_kinds_show_their_numbers_but_never_judge_them():
+    d = compare_metric("err", Metric(value=1e-7, better="lower"), Metric(value=9e-6, better="lower"), "correctness")
+    assert d.verdict == "n/a" and d.change == pytest.approx(90)
+
+
+def test_combine_runs_keeps_samples_and_stops_at_a_broken_run():
+    runs = [result("t", ms=Metric(value=v, better="lower")) for v in (3.0, 1.0, 2.0)]
+    runs[1].findings.append(Finding(message="slow"))
+    merged = combine_runs(runs)
+    assert merged.metrics["ms"].value == 2.0 and merged.metrics["ms"].samples == [3.0, 1.0, 2.0]
+    assert merged.metrics["ms"].ci is not None and [f.message for f in merged.findings] == ["slow"]
+    broken = combine_runs([runs[0], result("t", Status.error, "boom")])
+    assert broken.status == Status.error and broken.reason == "run 2 of 2: boom"
+
+
+def test_replay_uses_the_same_noise_rule():
+    then = [("microbench", result("t", ms=timed(10.0, 10.1, 9.9))), ("correctness", result("c"))]
+    same_env_slower = [result("t", ms=timed(15.0, 15.2, 14.9)), result("c")]
+    regressed, details = replay_regressions(then, same_env_slower, [])
+    assert regressed and regressed[0].startswith("t: ms x1.5") and len(details) == 2
+    within, _ = replay_regressions(then, [result("t", ms=timed(10.05, 9.95, 10.1)), result("c")], [])
+    assert within == []
+    broke, _ = replay_regressions(then, [result("t", ms=timed(10.0, 10.1, 9.9)), result("c", Status.failed)],
+                                  [crit(False)])
+    assert len(broke) == 2 and broke[0].startswith("c was pass, now fail")
+
+
+# --- the real harness ----------------------------------------------------------------------------------
+
+TOY = '''
+import os, random, time
+from feedback.probe import probe
+
+def _read(ctx, name):
+    return open(os.path.join(ctx.tree, "toy", name)).read().strip()
+
+@probe
+def correct(ctx):
+    ctx.check(_read(ctx, "answer.txt") == "42", "wrong answer", file="toy/answer.txt", symbol="answer")
+    ctx.metric("err", 1e-7 * random.random(), better="lower")
+
+@probe
+def broken(ctx):
+    raise RuntimeError("this probe cannot run on this machine")
+
+@probe
+def nan_output(ctx):
+    ctx.metric("max_rel_err", float("nan"), better="lower")  # a kernel that wrote NaN: an infinite error
+    ctx.fail("output is NaN", file="toy/answer.txt", symbol="answer")
+
+@probe
+def timing(ctx):
+    # a stand-in for a microbenchmark: the tree says how long the work takes, with 1% jitter
+    ms = float(_read(ctx, "cost.txt")) * (1 + 0.01 * random.random())
+    ctx.metric("step_ms", ms, "ms", better="lower")
+'''
+
+
+def toy_tree(root: pathlib.Path, answer: str = "42", cost: str = "10") -> pathlib.Path:
+    (root / "toy").mkdir(parents=True)
+    (root / "toy" / "__init__.py").write_text("")
+    (root / "toy" / "probes.py").write_text(TOY)
+    (root / "toy" / "answer.txt").write_text(answer)
+    (root / "toy" / "cost.txt").write_text(cost)
+    (root / "infra-agent.yaml").write_text("""
+schema_version: 1
+name: toy
+probes:
+  - {id: toy.correct, kind: correctness, entry: "toy.probes:correct", covers: {files: [toy/answer.txt]}}
+  - {id: toy.broken, kind: correctness, entry: "toy.probes:broken", covers: {files: [toy/cost.txt]}}
+  - {id: toy.nan, kind: correctness, entry: "toy.probes:nan_output", covers: {files: [toy/answer.txt]}}
+  - {id: toy.timing, kind: microbench, entry: "toy.probes:timing", covers: {files: [toy/cost.txt]}, repeats: 3}
+protected: [toy/probes.py]
+""")
+    return root
+
+
+@pytest.mark.parametrize("answer, cost, expected", [
+    ("41", "10", "incorrect"),  # a correctness probe that held now fails
+    ("42", "20", "inconclusive"),  # toy.broken errors on both sides: said so, not blamed on the candidate
+])
+def test_the_harness_attaches_the_verdict(tmp_path, answer, cost, expected):
+    base = toy_tree(tmp_path / "base")
+    cand = toy_tree(tmp_path / "cand", answer, cost)
+    rep = judge(cand, changed=["toy/cost.txt"] + (["toy/answer.txt"] if answer != "42" else []),
+                baseline_tree=base, run_all=True, cache_dir=tmp_path / "cache")
+    assert rep.verdict is not None and rep.verdict.name == expected, rep.verdict
+    if expected == "inconclusive":
+        assert any("toy.broken" in b for b in rep.verdict.broken_probes)
+        timing = next(c for c in rep.comparisons if c.probe == "toy.timing")
+        (d,) = timing.deltas
+        assert d.verdict == "regressed" and d.samples == 3 and d.noise is not None and d.ci[0] > 1.5
+
+
+def test_repeated_microbench_runs_give_a_verdict_with_interval_and_noise(tmp_path):
+    base = toy_tree(tmp_path / "base")
+    faster = toy_tree(tmp_path / "faster", cost="5")
+    same = toy_tree(tmp_path / "same", cost=f"{10 * (1 + 0.001 * random.random()):.4f}")
+    got = {}
+    for name, tree in (("faster", faster), ("same", same)):
+        rep = judge(tree, probe_ids=["toy.timing"], baseline_tree=base, cache_dir=tmp_path / "cache")
+        got[name] = rep
+    (d,) = got["faster"].comparisons[0].deltas
+    assert got["faster"].verdict.name == "better" and d.verdict == "improved" and len(
+        got["faster"].results[0].metrics["step_ms"].samples) == 3
+    assert got["same"].verdict.name == "unchanged" and got["same"].comparisons[0].deltas[0].verdict == "unchanged"
+
+
+def test_an_infinite_error_survives_the_result_file_and_the_cache(tmp_path):
+    tree = toy_tree(tmp_path / "t")
+    for cached in (False, True):
+        (r,) = judge(tree, probe_ids=["toy.nan"], cache_dir=tmp_path / "cache").results
+        assert r.status == Status.failed and r.cached == cached, r.reason
+        assert r.metrics["max_rel_err"].value == float("inf") and r.findings[0].message == "output is NaN"
