@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import resource
 import signal
 import subprocess
@@ -135,6 +136,7 @@ class Runner:
                                             ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONFAULTHANDLER"] = "1"  # a probe killed by a signal still says where it was (crash_site)
         if not gpu_present():
             env["TRITON_INTERPRET"] = "1"
             if self.emulate:
@@ -263,6 +265,9 @@ class Runner:
                 last = [ln for ln in stderr.strip().splitlines() if ln.strip()]
                 if last:
                     reason += f": {last[-1][:300]}"
+                site = crash_site(stderr, self.tree)
+                if site:
+                    reason += f" (at {site})"
             return ProbeResult(probe=spec.id, status=Status.error, duration_s=secs, stdout=stdout, stderr=stderr,
                                reason=reason), False
 
@@ -288,6 +293,33 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - garbage output is an error result, not a crash
             return ProbeResult(status=Status.error, reason=f"command printed no JSON result: {exc}".splitlines()[0],
                                **base), False
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,)? in (?P<func>\S+)')
+
+
+def crash_site(stderr: str, tree: pathlib.Path) -> str | None:
+    """The innermost frame inside ``tree`` of the last traceback or fault dump in ``stderr``.
+
+    Python's tracebacks list the innermost frame last; faulthandler's dumps (a segfault, an abort,
+    a fatal signal) list it first, under "Current thread" / "Thread".  Either way the frame nearest
+    the fault that lies in the tree under test is where a person should look."""
+    lines = stderr.splitlines()
+    dump = max((i for i, ln in enumerate(lines) if ln.startswith(("Fatal Python error", "Current thread",
+                                                                   "Thread 0x"))), default=None)
+    frames = []
+    for ln in lines[dump:] if dump is not None else lines:
+        m = _FRAME.match(ln)
+        if m:
+            frames.append(m)
+    if dump is None:
+        frames.reverse()  # a traceback: innermost last
+    root = str(tree.resolve()) + os.sep
+    for m in frames:
+        path = m["path"]
+        if path.startswith(root) and "/feedback/" not in path[len(root) - 1:]:
+            return f"{path[len(root):]}:{m['line']} in {m['func']}"
+    return None
 
 
 def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:

@@ -175,6 +175,7 @@ def test_every_fault_is_a_clear_status_and_the_harness_survives(toy):
     assert "ZeroDivisionError: deliberate" in r["toy.raises"].reason and "toy/probes.py" in r["toy.raises"].reason
     assert r["toy.hangs"].status == Status.timeout and "budget_s=2" in r["toy.hangs"].reason
     assert r["toy.segfault"].status == Status.error and "SIGSEGV" in r["toy.segfault"].reason
+    assert "(at toy/probes.py:" in r["toy.segfault"].reason and "in segfault)" in r["toy.segfault"].reason
     assert r["toy.memory"].status == Status.error and "MemoryError" in r["toy.memory"].reason
     assert r["toy.skips"].status == Status.skipped and r["toy.skips"].reason == "needs a widget"
     assert r["toy.garbage"].status == Status.error and "no JSON result" in r["toy.garbage"].reason

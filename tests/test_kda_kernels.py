@@ -112,7 +112,10 @@ def test_chunk_kda_bf16_inputs(gen):
     xb = tuple(t.bfloat16() for t in x)
     o, s = chunk_kda(*xb, output_final_state=True)
     ro, rs = ref64(*xb)  # same (bf16-rounded) inputs: only the kernel's arithmetic differs
-    assert o.dtype == torch.bfloat16 and rel_err(o, ro) < 1e-2 and rel_err(s, rs) < TOL
+    # compiled, 16-bit inputs keep the chunk's intermediates (w, u, kd) in 16 bits as fla does: the state is
+    # then within ~2e-3 (H200, bench/RESULTS.md); the interpreter's dots are exact fp32
+    state_tol = TOL if DEVICE == "cpu" else 1e-2
+    assert o.dtype == torch.bfloat16 and rel_err(o, ro) < 1e-2 and rel_err(s, rs) < state_tol
 
 
 # --- fused recurrent -------------------------------------------------------------------------

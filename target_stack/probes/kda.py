@@ -6,6 +6,8 @@ the interpreter) and objective (a float64 reference, a threshold).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from feedback.correctness import compare_sweep, error_growth, fresh_generator, partitioned_vs_whole, rel_err
@@ -15,6 +17,7 @@ import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import resolve_dot_precision, set_poison
+from target_stack.probes.reference import finite, isolated
 
 set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
 
@@ -29,22 +32,94 @@ def _ref(q, k, v, g, beta, h0=None):
 
 
 def _case_inputs(case: dict, gen: torch.Generator):
-    x = make_inputs(case["B"], case["T"], case["H"], case["K"], case["V"], generator=gen,
-                    decay_shift=case.get("decay_shift", 0.0))
-    h0 = torch.randn(case["B"], case["H"], case["K"], case["V"], generator=gen) if case.get("h0") else None
-    return (*x, h0)
+    """Inputs of one sweep case: make_inputs' shapes, or the input conditions a case names.
+
+    ``seqlens``: one packed varlen batch (``cu_seqlens``) of these lengths; ``g``: "zero" (no decay)
+    or "saturated" (the state forgets everything each token); ``beta``: "low" (~0) or "high" (~1);
+    ``l2norm``: raw q, k that the kernel normalises; ``beta_sigmoid``: beta logits the kernel squashes;
+    ``h0``: an initial state per sequence.
+    """
+    dev = gen.device
+    lengths = case.get("seqlens")
+    B, T = (1, sum(lengths)) if lengths else (case["B"], case["T"])
+    H, K, V = case["H"], case["K"], case["V"]
+    q, k, v, g, beta = make_inputs(B, T, H, K, V, generator=gen, device=dev, decay_shift=case.get("decay_shift", 0.0))
+    rand = lambda *shape: torch.rand(*shape, generator=gen, device=dev)  # noqa: E731
+    if case.get("g") == "zero":
+        g = -1e-6 * rand(B, T, H, K)
+    elif case.get("g") == "saturated":
+        g = -20.0 - 20.0 * rand(B, T, H, K)
+    if case.get("beta") == "low":
+        beta = 1e-4 * rand(B, T, H) + 1e-6
+    elif case.get("beta") == "high":
+        beta = 1.0 - 1e-4 * rand(B, T, H)
+    if case.get("l2norm"):
+        q, k = (3 * torch.randn(B, T, H, K, generator=gen, device=dev) for _ in range(2))
+    if case.get("beta_sigmoid"):
+        beta = 3 * torch.randn(B, T, H, generator=gen, device=dev)
+    n = len(lengths) if lengths else B
+    h0 = torch.randn(n, H, K, V, generator=gen, device=dev) if case.get("h0") else None
+    return q, k, v, g, beta, h0
+
+
+def _case_kernel(fn, case: dict):
+    """The kernel call of a case: its flags and, for a varlen case, its ``cu_seqlens``."""
+    kw = {}
+    if case.get("seqlens"):
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(case["seqlens"]).cumsum(0).tolist()], dtype=torch.int32)
+    if case.get("l2norm"):
+        kw["use_qk_l2norm_in_kernel"] = True
+    if case.get("beta_sigmoid"):
+        kw["use_beta_sigmoid_in_kernel"] = True
+
+    def call(q, k, v, g, beta, h0):
+        extra = {n: t.to(q.device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **extra)
+
+    return call
+
+
+def _case_ref(case: dict):
+    """The float64 reference of a case: normalisation and sigmoid as the flags say, sequence by sequence."""
+
+    def run(q, k, v, g, beta, h0):
+        q, k, beta = q.double(), k.double(), beta.double()
+        if case.get("l2norm"):
+            q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+        if case.get("beta_sigmoid"):
+            beta = 1 / (1 + torch.exp(-beta))
+        if not case.get("seqlens"):
+            return _ref(q, k, v, g, beta, h0)
+        outs, states, start = [], [], 0
+        for i, n in enumerate(case["seqlens"]):
+            part = (x[:, start:start + n] for x in (q, k, v, g, beta))
+            o, s = _ref(*part, None if h0 is None else h0[i:i + 1])
+            outs.append(o)
+            states.append(s)
+            start += n
+        return torch.cat(outs, 1), torch.cat(states)
+
+    return run
 
 
 def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
+    """Every case against the float64 reference; a case that raises or crashes (an out-of-bounds
+    access in the interpreter) fails at its own condition."""
     tol = float(ctx.params.get("tolerance", 1e-5))
     worst = 0.0
-    for case, err in compare_sweep(lambda *a: fn(*a[:5], initial_state=a[5], output_final_state=True),
-                                   lambda *a: _ref(*a), _case_inputs, ctx.params["cases"]):
-        worst = max(worst, err)
+    for case in ctx.params["cases"]:
         shape = ", ".join(f"{k}={v}" for k, v in case.items())
-        ctx.check(err < tol, f"rel. error {err:.2e} > {tol:g} against the float64 reference",
-                  file=file, kernel=kernel, condition=shape)
-    ctx.metric("max_rel_err", worst, better="lower")
+        where = dict(file=file, kernel=kernel, condition=shape)
+        done, result = isolated(ctx, lambda case=case: compare_sweep(_case_kernel(fn, case), _case_ref(case),
+                                                                     _case_inputs, [case], device=ctx.device),
+                                **where)
+        if not done:
+            worst = float("inf")
+            continue
+        (_, err), = result
+        worst = max(worst, err)
+        ctx.check(err < tol, f"rel. error {err:.2e} > {tol:g} against the float64 reference", **where)
+    ctx.metric("max_rel_err", finite(worst), better="lower")
 
 
 @probe(kind="correctness")
@@ -59,36 +134,51 @@ def recurrent_correctness(ctx: ProbeContext) -> None:
 
 @probe(kind="correctness")
 def cp_correctness(ctx: ProbeContext) -> None:
-    """Partitioned prefill equals the unpartitioned one, and both equal float64."""
+    """Partitioned prefill equals the unpartitioned one, and both equal float64, for each case of
+    ``cases`` (the top-level parameters when there are none): shape, initial state, partition counts."""
     c = ctx.params
-    gen = fresh_generator()
-    x = make_inputs(c["B"], c["T"], c["H"], c["K"], c["V"], decay_shift=c.get("decay_shift", 0.0), generator=gen)
+    gen = fresh_generator(device=ctx.device)
     tol = float(c.get("tolerance", 1e-5))
-    ref = _ref(*x)
-    outs = {P: chunk_kda_cp(*x, P, output_final_state=True) for P in c["partitions"]}
     worst = 0.0
-    for P, err in partitioned_vs_whole(outs.__getitem__, lambda: chunk_kda(*x, output_final_state=True),
-                                       c["partitions"]):
-        err = max(err, rel_err(outs[P], ref))
-        worst = max(worst, err)
-        ctx.check(err < tol, f"P={P}: rel. error {err:.2e} > {tol:g} against the unpartitioned prefill "
-                  "or float64", file=CP, kernel="chunk_kda_cp", condition=f"num_partitions={P}")
-    ctx.metric("max_rel_err", worst, better="lower")
+    for case in c.get("cases", [c]):
+        B, H, K, V = case["B"], case["H"], case["K"], case["V"]
+        x = make_inputs(B, case["T"], H, K, V, decay_shift=case.get("decay_shift", 0.0), generator=gen,
+                        device=ctx.device)
+        h0 = torch.randn(B, H, K, V, generator=gen, device=ctx.device) if case.get("h0") else None
+        shape = f"B={B}, T={case['T']}, H={H}, K={K}, V={V}, h0={h0 is not None}"
+
+        def errors(x=x, h0=h0, partitions=case["partitions"]):
+            ref = _ref(*x, h0)
+            outs = {P: chunk_kda_cp(*x, P, initial_state=h0, output_final_state=True) for P in partitions}
+            whole = functools.partial(chunk_kda, *x, initial_state=h0, output_final_state=True)
+            return [(P, max(err, rel_err(outs[P], ref))) for P, err in partitioned_vs_whole(outs.__getitem__,
+                                                                                             whole, partitions)]
+
+        done, errs = isolated(ctx, errors, file=CP, kernel="chunk_kda_cp", condition=shape)
+        if not done:
+            worst = float("inf")
+            continue
+        for P, err in errs:
+            worst = max(worst, err)
+            ctx.check(err < tol, f"P={P}: rel. error {err:.2e} > {tol:g} against the unpartitioned prefill "
+                      "or float64", file=CP, kernel="chunk_kda_cp", condition=f"num_partitions={P}, {shape}")
+    ctx.metric("max_rel_err", finite(worst), better="lower")
 
 
 @probe(kind="correctness")
 def cp_merge_error_growth(ctx: ProbeContext) -> None:
     """Output error of CP prefill at the default merge precision, along the number of partitions."""
     c = ctx.params
-    x = make_inputs(c["B"], c["T"], c["H"], c["K"], c["V"], decay_shift=c["decay_shift"], generator=fresh_generator())
+    x = make_inputs(c["B"], c["T"], c["H"], c["K"], c["V"], decay_shift=c["decay_shift"],
+                    generator=fresh_generator(device=ctx.device), device=ctx.device)
     ref_o = _ref(*x)[0]
     precision = c.get("merge_precision")
     resolved = resolve_dot_precision(precision, x[0].device)
     sizes = c["partitions"]
     errs, growth = error_growth(lambda p: rel_err(chunk_kda_cp(*x, p, merge_precision=precision)[0], ref_o), sizes)
     for p, e in zip(sizes, errs):
-        ctx.metric(f"err_p{p}", e, better="lower")
-    ctx.metric("error_growth", growth, unit="x", better="lower")
+        ctx.metric(f"err_p{p}", finite(e), better="lower")
+    ctx.metric("error_growth", finite(growth), unit="x", better="lower")
     where = dict(file=CP, kernel="_kda_cp_merge_kernel", param=f"merge_precision={resolved!r}",
                  condition=f"T={c['T']}, decay_shift={c['decay_shift']}")
     max_growth, tol = float(c.get("max_growth", 3.0)), float(c.get("tolerance", 1e-5))
@@ -100,13 +190,14 @@ def cp_merge_error_growth(ctx: ProbeContext) -> None:
 def null_slot(ctx: ProbeContext) -> None:
     """A pooled decode step leaves the null slot (0) bit-identical and reads it as zeros."""
     c = ctx.params
-    gen = fresh_generator()
+    dev = ctx.device
+    gen = fresh_generator(device=dev)
     H, K, V = c["H"], c["K"], c["V"]
-    pool = torch.randn(5, H, K, V, generator=gen)
+    pool = torch.randn(5, H, K, V, generator=gen, device=dev)
     pool[0] = 1e30
     before = pool.clone()
-    slots = torch.tensor([3, 0, 1, 0], dtype=torch.int32)
-    x = make_inputs(4, 1, H, K, V, generator=gen)
+    slots = torch.tensor([3, 0, 1, 0], dtype=torch.int32, device=dev)
+    x = make_inputs(4, 1, H, K, V, generator=gen, device=dev)
     o, _ = fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)
     where = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition="ssm_state_indices with 0 (padding)")
     changed = not torch.equal(pool[0], before[0])
@@ -127,7 +218,7 @@ def _decode_bench(ctx: ProbeContext) -> None:
         ctx.skip("timings need a GPU (the interpreter's times mean nothing)")
     c = ctx.params
     H, K, V, B = c["H"], c["K"], c["V"], c["batch"]
-    x = [t.cuda() for t in make_inputs(B, 1, H, K, V, dtype=torch.bfloat16, device="cpu")]
+    x = make_inputs(B, 1, H, K, V, dtype=torch.bfloat16, device="cuda")
     pool = torch.randn(B + 1, H, K, V, device="cuda") * 0.1
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
     step = lambda: fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)  # noqa: E731
@@ -160,7 +251,7 @@ def prefill_bench(ctx: ProbeContext) -> None:
     if not torch.cuda.is_available():
         ctx.skip("timings need a GPU (the interpreter's times mean nothing)")
     c = ctx.params
-    x = [t.cuda() for t in make_inputs(1, c["T"], c["H"], c["K"], c["V"], dtype=torch.bfloat16)]
+    x = make_inputs(1, c["T"], c["H"], c["K"], c["V"], dtype=torch.bfloat16, device="cuda")
     seconds = time_fn(lambda: chunk_kda(*x, output_final_state=True))
     ctx.metric("prefill_us", seconds * 1e6, unit="us", better="lower")
     ctx.metric("tokens_per_s", c["T"] / seconds, unit="tok/s", better="higher")
@@ -172,8 +263,7 @@ def chunk_trace(ctx: ProbeContext) -> None:
     from feedback.trace import capture, trace_dir
 
     c = ctx.params
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x = make_inputs(1, c["T"], c["H"], c["K"], c["V"], device=dev)
+    x = make_inputs(1, c["T"], c["H"], c["K"], c["V"], device=ctx.device)
     summary = capture(lambda: chunk_kda(*x, output_final_state=True), "kda.chunk", out_dir=trace_dir())
     ctx.metric("total_cpu_us", summary.total_cpu_us, unit="us", better="lower")
     if summary.total_cuda_us:

@@ -1,0 +1,535 @@
+"""target_stack's model-layer probes: every layer on its serving paths against the float64
+definitions in :mod:`target_stack.probes.reference` (protected from patches).
+
+Inputs are fresh random on every run and never zeros; norm weights and router biases are random
+too, so a weight or bias left out shows.  Discrete choices (top-k experts, top-k key blocks) are
+compared only where their float64 margin is far above fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from feedback.correctness import rel_err
+from feedback.probe import ProbeContext, probe
+
+import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
+from target_stack.probes import reference as ref
+from target_stack.probes.reference import Checker, Draw, f64, isolated
+
+LAYERS = "target_stack/model/layers.py"
+QUANT = "target_stack/model/quant.py"
+CACHE = "target_stack/engine/cache.py"
+KDA_LAYER = "target_stack/model/kda_layer.py"
+CHUNK = "target_stack/ops/kda/chunk.py"
+RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
+MODEL = "target_stack/model/model.py"
+IMAGE = "target_stack/model/image.py"
+NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
+MARGIN = 1e-4  # a discrete choice is compared only where the float64 scores are this far apart
+
+torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
+
+
+def _seed(draw: Draw) -> int:
+    return int(draw.randint(2**31 - 1, (1,)))
+
+
+# -- norms, MLP, MoE, sparse attention ---------------------------------------------------------------
+
+
+def _check_norm(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    from target_stack.model.layers import RMSNorm
+
+    p = ctx.params
+    dim = p.get("dim", 64)
+    eps = float(p.get("eps", ref.EPS))
+    norm = RMSNorm(dim)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=draw.cpu) + 0.5)
+    norm.to(ctx.device)
+    for scale in p.get("norm_scales", [1e-3, 1.0, 50.0]):  # 1e-3: mean(x^2) ~ eps, where eps placement shows
+        x = draw.randn(3, 5, dim) * scale
+        where = dict(file=LAYERS, symbol="RMSNorm.forward", condition=f"|x| ~ {scale:g}, eps={eps:g}")
+        with chk.guard(**where), torch.no_grad():
+            chk.compare(norm(x), ref.rmsnorm(f64(x), f64(norm.weight), eps), "RMSNorm", **where)
+
+
+def _check_mlp(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    from target_stack.model.layers import SwiGLU
+
+    dim, hidden = ctx.params.get("dim", 64), ctx.params.get("mlp_hidden", 96)
+    mlp = SwiGLU(dim, hidden, draw.cpu).to(ctx.device)
+    x = draw.randn(2, 7, dim)
+    where = dict(file=LAYERS, symbol="SwiGLU.forward")
+    with chk.guard(**where), torch.no_grad():
+        chk.compare(mlp(x), ref.swiglu(f64(x), mlp), "SwiGLU", **where)
+
+
+def _moe_paths(moe, bf16: bool) -> dict:
+    """The MoE forms that run here: the grouped forward, the per-expert loop, the graph-safe form."""
+
+    def ungrouped(x):
+        moe.grouped = False
+        try:
+            return moe(x)
+        finally:
+            moe.grouped = True
+
+    paths = {"MoE.forward": moe, "MoE.forward (grouped=False)": ungrouped, "MoE.forward_static": moe.forward_static}
+    return {f"{name} bf16" if bf16 else name: fn for name, fn in paths.items()}
+
+
+def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, backend: str = "torch") -> None:
+    """Routing (against the float64 choice) and the output of every path on tokens whose top-k margin is clear.
+
+    ``paths(moe, bf16)`` gives {symbol: callable} for a module; bf16 runs only on a GPU.
+    """
+    from target_stack.model.layers import MoE
+
+    c = ctx.params["moe"]
+    dtypes = [torch.float32] + ([torch.bfloat16] if ctx.device == "cuda" else [])
+    for top_k in c.get("top_k", [2]):
+        for dtype in dtypes:
+            moe = MoE(c["dim"], c["hidden"], c["experts"], top_k, draw.cpu, backend=backend)
+            with torch.no_grad():
+                moe.router_bias.copy_(torch.randn(c["experts"], generator=draw.cpu) * c.get("bias_scale", 0.2))
+            moe.to(ctx.device, dtype)
+            tol, metric = (None, None) if dtype == torch.float32 else (float(c.get("bf16_tolerance", 3e-2)),
+                                                                       "max_rel_err_bf16")
+            for T in c["tokens"]:
+                x = draw.randn(T, c["dim"]).to(dtype)
+                out_ref, margin = ref.moe(f64(x), moe)
+                clear = margin > MARGIN
+                cond = f"T={T}, experts={c['experts']}, top_k={top_k}, {str(dtype).removeprefix('torch.')}"
+                if dtype == torch.float32:
+                    _check_route(chk, moe, x, clear, cond)
+                for symbol, fn in paths(moe, dtype == torch.bfloat16).items():
+                    where = dict(file=file, symbol=symbol, condition=cond)
+                    with chk.guard(**where), torch.no_grad():
+                        out = fn(x)
+                        chk.compare(out[clear.to(out.device)], out_ref[clear], "MoE output", tolerance=tol,
+                                    metric=metric, **where)
+
+
+def _check_route(chk: Checker, moe, x: torch.Tensor, clear: torch.Tensor, cond: str) -> None:
+    """The chosen experts (as a set) and their normalised weights, token by token."""
+    w_ref, idx_ref, _ = ref.moe_route(f64(x), moe)
+    where = dict(file=LAYERS, symbol="MoE.route", condition=cond)
+    with chk.guard(**where), torch.no_grad():
+        w, idx = moe.route(x)
+        w, idx = f64(w)[clear], idx.cpu()[clear]
+        idx_sorted, o = idx.sort(-1)
+        ref_sorted, o_ref = idx_ref[clear].sort(-1)
+        wrong = (idx_sorted != ref_sorted).any(-1)
+        chk.ctx.check(not wrong.any(), f"{int(wrong.sum())} of {len(wrong)} tokens route to other experts than the "
+                      "top-k of sigmoid(router x) + bias", **where)
+        if not wrong.any():
+            chk.compare(w.gather(-1, o), w_ref[clear].gather(-1, o_ref), "routing weights (sigmoid scores "
+                        "of the chosen experts, normalised)", **where)
+
+
+def _check_sparse_attention(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """Prefill (all queries, and the last Tq after a reused prefix) and batched decode with padded
+    keys, against dense float64 attention over the independently chosen blocks and window."""
+    from target_stack.model.layers import sparse_attention, sparse_decode_attention
+
+    c = ctx.params["attention"]
+    T, H, D, Di, blk, top_k, window = (c[n] for n in ("T", "H", "D", "Di", "block", "top_k", "window"))
+    dev = ctx.device
+    q, k, v = (draw.randn(T, H, D) for _ in range(3))
+    iq, ik = draw.randn(T, Di), draw.randn(T, Di)
+    cond = f"T={T}, block={blk}, top_k={top_k}, window={window}"
+    out_ref, margin, kept = ref.sparse_attention(*(f64(t) for t in (q, k, v, iq, ik)), torch.arange(T),
+                                                 blk, top_k, window)
+    dropped = (~kept).tril().any(-1)
+    ctx.check(bool(dropped.any()), "probe inputs too short: no query drops a causal key block",
+              file=LAYERS, symbol="sparse_attention", condition=cond)
+    ctx.metric("queries_with_dropped_keys", float(dropped.sum()))
+    clear = margin > MARGIN
+    where = dict(file=LAYERS, symbol="sparse_attention", condition=cond)
+    with chk.guard(**where), torch.no_grad():
+        out = sparse_attention(q, k, v, iq, ik, blk, top_k, window)
+        chk.compare(out[clear.to(dev)], out_ref[clear], "sparse attention", **where)
+    tq = c.get("tail", T // 3)
+    where = dict(where, condition=f"{cond}, last {tq} queries of {T} keys")
+    with chk.guard(**where), torch.no_grad():
+        out = sparse_attention(q[-tq:], k, v, iq[-tq:], ik, blk, top_k, window)
+        chk.compare(out[clear[-tq:].to(dev)], out_ref[-tq:][clear[-tq:]], "sparse attention after a prefix", **where)
+    lengths = torch.tensor(c.get("lengths", [1, 9, T // 2, T]))
+    B = len(lengths)
+    kb, vb, ikb = draw.randn(B, T, H, D) * 30, draw.randn(B, T, H, D) * 30, draw.randn(B, T, Di) * 30  # padding
+    qb, iqb = draw.randn(B, H, D), draw.randn(B, Di)
+    for b, n in enumerate(lengths.tolist()):
+        kb[b, :n], vb[b, :n], ikb[b, :n] = k[:n], v[:n], ik[:n]
+    where = dict(file=LAYERS, symbol="sparse_decode_attention", condition=f"{cond}, lengths {lengths.tolist()}")
+    with chk.guard(**where), torch.no_grad():
+        out = sparse_decode_attention(qb, kb, vb, iqb, ikb, lengths.to(dev), blk, top_k, window)
+        for b, n in enumerate(lengths.tolist()):
+            o_ref, m, _ = ref.sparse_attention(f64(qb[b:b + 1]), f64(k[:n]), f64(v[:n]), f64(iqb[b:b + 1]),
+                                               f64(ik[:n]), torch.tensor([n - 1]), blk, top_k, window)
+            if m.item() > MARGIN:
+                chk.compare(out[b:b + 1], o_ref, f"decode attention of a sequence of {n}", **where)
+
+
+@probe(kind="correctness")
+def layers(ctx: ProbeContext) -> None:
+    """RMSNorm, SwiGLU, the MoE (routing, grouped / per-expert / graph-safe combine) and sparse
+    attention (prefill and decode) against their float64 definitions."""
+    chk = Checker(ctx, ctx.params.get("tolerance", 1e-5))
+    draw = Draw(ctx.device)
+    _check_norm(ctx, chk, draw)
+    _check_mlp(ctx, chk, draw)
+    check_moe(ctx, chk, draw, _moe_paths, LAYERS)
+    _check_sparse_attention(ctx, chk, draw)
+    chk.report()
+
+
+@probe(kind="correctness")
+def moe_native(ctx: ProbeContext) -> None:
+    """The native (C) MoE dispatch / experts / combine: the extension's call on float64-chosen
+    experts and weights (no routing margin involved), then the layer on its native path."""
+    from target_stack.engine.native import moe_dispatch_combine
+    from target_stack.model.layers import MoE
+
+    chk = Checker(ctx, ctx.params.get("tolerance", 1e-5))
+    draw = Draw(ctx.device)
+    c = ctx.params["moe"]
+    symbol = "ts_moe_dispatch_combine (through native.moe_dispatch_combine)"
+
+    def extension():
+        for T in c["tokens"]:
+            moe = MoE(c["dim"], c["hidden"], c["experts"], max(c.get("top_k", [2])), draw.cpu)
+            x = torch.randn(T, c["dim"], generator=draw.cpu)  # the extension takes CPU fp32 tensors
+            w, idx, _ = ref.moe_route(f64(x), moe)
+            want = ref.moe(f64(x), moe)[0] - ref.swiglu(f64(x), moe.shared)
+            where = dict(file=NATIVE_C, symbol=symbol, condition=f"T={T}, experts={c['experts']}, "
+                         "float64-chosen experts")
+            with chk.guard(**where), torch.no_grad():
+                out = moe_dispatch_combine(x, idx, w.float(), *moe.stacked_weights())
+                chk.compare(out, want, "native dispatch/combine", **where)
+
+    failed = ctx.failed
+    survived, _ = isolated(ctx, extension, chk, file=NATIVE_C, symbol=symbol)  # a crash here is the C code's
+    if ctx.failed != failed and not survived:
+        chk.report()
+        return  # the layer's native path would crash this process too
+    # the extension itself is right: a wrong native-path output is the layer's use of it
+    file = LAYERS if ctx.failed == failed else NATIVE_C
+
+    def native_paths(moe, bf16):
+        return {"MoE.forward (backend='native')" + (" bf16" if bf16 else ""): moe}
+
+    isolated(ctx, lambda: check_moe(ctx, chk, draw, native_paths, file, backend="native"), chk, file=NATIVE_C,
+             symbol="MoE.forward (backend='native')")
+    chk.report()
+
+
+# -- quantisation ------------------------------------------------------------------------------------
+
+
+def _int8_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension from the definition: (integers, scale = amax / 127)."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+    return torch.round(x / scale).clamp(-127, 127), scale
+
+
+def _int8_clear(draw: Draw, rows: int, cols: int, log_mag: tuple[float, float]) -> torch.Tensor:
+    """Rows of random values whose int8 quantisation is unambiguous: each row's largest magnitude is
+    exactly 127 steps and every other value lies at least 0.1 step from a rounding tie, far beyond
+    fp32 rounding of x / scale.  Row scales span the decades ``log_mag``."""
+    lo, hi = log_mag
+    step = 10.0 ** (draw.rand(rows, 1) * (hi - lo) + lo) / 127
+    n = draw.randint(253, (rows, cols)) - 126.0
+    x = (n + (draw.rand(rows, cols) - 0.5) * 0.8) * step
+    top = draw.randint(cols, (rows, 1))
+    sign = torch.where(draw.rand(rows, 1) < 0.5, -1.0, 1.0)
+    return x.scatter(1, top, 127.0 * step * sign)
+
+
+def _kv_bound(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The largest round-trip error of one stored value of x [..., heads, head_dim] allowed by the format."""
+    amax = x.abs().amax(-1, keepdim=True)
+    if kind == "fp32":
+        return torch.zeros_like(x)
+    if kind == "bf16":
+        return x.abs() * 2.0**-8  # 8 significand bits, round to nearest
+    if kind == "int8":
+        return (amax / 127 / 2).expand_as(x)  # half a scale step
+    scale = amax / 448  # fp8 e4m3: 4 significand bits; subnormal steps of 2^-9 below 2^-6
+    return torch.maximum(x.abs() * 2.0**-4, (scale * 2.0**-10).expand_as(x))
+
+
+def _kv_values(draw: Draw, T: int, H: int, D: int) -> torch.Tensor:
+    """Per-(token, head) magnitudes over five decades, so a scale shared across tokens or heads shows."""
+    return draw.randn(T, H, D) * 10.0 ** (draw.rand(T, H, 1) * 5 - 3)
+
+
+@probe(kind="correctness")
+def quant(ctx: ProbeContext) -> None:
+    """W8A8 linear against the exact int8 arithmetic of its definition and the float64 linear; KV
+    storage round trips (and the paged cache's write / gather) within each format's error bound."""
+    from target_stack.engine.cache import PagedKV
+    from target_stack.model.quant import W8A8Linear, dequantize_kv, quantize_kv
+
+    p = ctx.params
+    chk = Checker(ctx, p.get("tolerance", 1e-5))
+    draw = Draw(ctx.device)
+    dev = ctx.device
+    n_in, n_out = p.get("in_features", 256), p.get("out_features", 96)
+    lin = torch.nn.Linear(n_in, n_out).to(dev)
+    with torch.no_grad():
+        lin.weight.copy_(_int8_clear(draw, n_out, n_in, (-1.5, -0.5)))
+        lin.bias.copy_(draw.randn(n_out) * 0.1)
+    x = _int8_clear(draw, 18, n_in, (-2, 2)).reshape(2, 9, n_in)  # per-token magnitudes 1e-2 .. 1e2
+    where = dict(file=QUANT, symbol="W8A8Linear.forward / quantize_per_token_int8 / quantize_weight_int8")
+    with chk.guard(**where), torch.no_grad():
+        out = W8A8Linear.from_linear(lin).to(dev)(x)
+        qx, sx = _int8_per_row(f64(x))
+        qw, sw = _int8_per_row(f64(lin.weight))
+        exact = (qx @ qw.T) * sx * sw.T + f64(lin.bias)
+        chk.compare(out, exact, "W8A8 against its int8 arithmetic", **where)
+        full = f64(x) @ f64(lin.weight).T + f64(lin.bias)
+        mean_rel = ((f64(out) - full).abs().mean() / full.abs().mean()).item()
+        ctx.metric("w8a8_mean_rel_diff", ref.finite(mean_rel), better="lower")
+        ctx.check(mean_rel < p.get("w8a8_mean_rel", 0.05), f"W8A8 differs from the float linear by {mean_rel:.3f} "
+                  "(mean relative)", **where)
+    T, H, D = p.get("kv_shape", [17, 4, 32])
+    worst_ratio = 0.0
+    stored = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for kind in p.get("kv_kinds", ["fp32", "bf16", "int8", "fp8"]):
+        x = _kv_values(draw, T, H, D)
+        bound = _kv_bound(f64(x), kind) * (1 + 1e-4) + 1e-30
+        where = dict(file=QUANT, symbol="quantize_kv / dequantize_kv", condition=f"kind={kind}")
+        failed = ctx.failed
+        with chk.guard(**where):
+            values, scale = quantize_kv(x, kind)
+            ctx.check(values.dtype == stored[kind], f"{kind} KV stored as {values.dtype}", **where)
+            if scale is not None:
+                ctx.check(tuple(scale.shape) == (T, H, 1), f"{kind} scales of shape {tuple(scale.shape)}, "
+                          f"not per (token, head) {(T, H, 1)}", **where)
+            ratio = ((f64(dequantize_kv(values, scale)) - f64(x)).abs() / bound).max().item()
+            worst_ratio = max(worst_ratio, ratio)
+            ctx.check(ratio <= 1, f"{kind} round trip error {ratio:.2f}x its format's bound", **where)
+        # a paged cache storing a broken format is off too: that is the format's fault
+        where = dict(file=CACHE if ctx.failed == failed else QUANT, symbol="PagedKV.write / PagedKV.gather",
+                     condition=f"kind={kind}")
+        with chk.guard(**where):
+            worst_ratio = max(worst_ratio, _check_paged(ctx, PagedKV, kind, draw, where))
+    ctx.metric("kv_error_bound_ratio", ref.finite(worst_ratio), better="lower")
+    chk.report()
+
+
+def _check_paged(ctx: ProbeContext, PagedKV, kind: str, draw: Draw, where: dict) -> float:
+    """Fill every slot of pages 1..n (then overwrite some), gather through a shuffled block table."""
+    n_pages, ps, H, D, Di = 6, 4, 3, 16, 8
+    dev = ctx.device
+    cache = PagedKV(n_pages + 1, ps, H, D, Di, kind, torch.device(dev))
+    N = n_pages * ps
+    page = (torch.arange(N) // ps + 1).to(dev)
+    offset = (torch.arange(N) % ps).to(dev)
+    k, v = _kv_values(draw, N, H, D), _kv_values(draw, N, H, D)
+    ik = draw.randn(N, Di)
+    cache.write(page, offset, k, v, ik)
+    again = draw.randperm(N)[: N // 3]  # rewritten with other magnitudes
+    k[again], v[again] = _kv_values(draw, len(again), H, D), _kv_values(draw, len(again), H, D)
+    cache.write(page[again], offset[again], k[again], v[again], ik[again])
+    table = torch.stack([draw.randperm(n_pages)[:4] + 1 for _ in range(2)])
+    ks, vs, iks = cache.gather(table, torch.float32)
+    rows = ((table[..., None] - 1) * ps + torch.arange(ps, device=dev)).reshape(2, -1)  # token of each gathered slot
+    worst = 0.0
+    for name, got, want in (("keys", ks, k[rows]), ("values", vs, v[rows])):
+        ratio = ((f64(got) - f64(want)).abs() / (_kv_bound(f64(want), kind) * (1 + 1e-4) + 1e-30)).max().item()
+        worst = max(worst, ratio)
+        ctx.check(ratio <= 1, f"gathered {name} off by {ratio:.2f}x the {kind} bound", **where)
+    ctx.check(torch.equal(iks.cpu(), ik[rows].float().cpu()), "gathered indexer keys differ from those written",
+              **where)
+    return worst
+
+
+# -- the KDA layer -----------------------------------------------------------------------------------
+
+
+@probe(kind="correctness")
+def kda_layer(ctx: ProbeContext) -> None:
+    """The KDA layer (projections, short convolution, gates, KDA, gated output norm) against the
+    float64 token loop of its definition, per backend: prefill, decode continuing it with the
+    carried states, a prefill with a tail, and a pooled decode step with a padding row."""
+    p = ctx.params
+    chk = Checker(ctx, p.get("tolerance", 1e-5))
+    draw = Draw(ctx.device)
+    torch_ok = None  # whether the torch backend passed: then a Triton-only failure is the kernels'
+    for backend in p.get("backends", ["torch", "triton"]):
+        failed = ctx.failed
+        triton_only = backend == "triton" and torch_ok
+        files = (CHUNK, RECURRENT) if triton_only else (KDA_LAYER, KDA_LAYER)
+        # a crash (an out-of-bounds kernel in the interpreter) fails at the backend's prefill
+        isolated(ctx, lambda backend=backend, files=files: _check_backend(ctx, chk, draw, backend, files), chk,
+                 file=files[0], symbol="KDALayer.prefill", condition=f"backend={backend}")
+        if backend == "torch":
+            torch_ok = ctx.failed == failed
+    chk.report()
+
+
+def _check_backend(ctx: ProbeContext, chk: Checker, draw: Draw, backend: str, files: tuple[str, str]) -> None:
+    """One backend's prefill, decode, prefill with a tail and pooled decode; ``files`` are the files
+    blamed for the prefill and the decode paths."""
+    from target_stack.model.kda_layer import KDALayer
+
+    p = ctx.params
+    dev = ctx.device
+    dim, H, K, V, B, T, split = (p[n] for n in ("dim", "heads", "head_k", "head_v", "batch", "T", "prefill"))
+    prefill_file, decode_file = files
+    kernels = prefill_file != KDA_LAYER
+    layer = KDALayer(dim, H, K, V, draw.cpu, backend=backend)
+    ref.randomize_norms(layer, draw.cpu)
+    layer.to(dev)
+    x = draw.randn(B, T, dim)
+    y_ref, s_ref, full_ref, inputs_ref = ref.kda_layer(layer, f64(x))
+    _, s_split, _, _ = ref.kda_layer(layer, f64(x[:, :split]))
+    cond = f"backend={backend}, B={B}, T={T}"
+    where = dict(file=prefill_file, symbol="KDALayer.prefill / _inputs / _output" + (" (chunk_kda)" if kernels
+                 else ""), condition=f"{cond}, prefill {split}")
+    state = None
+    with chk.guard(**where), torch.no_grad():
+        y, state = layer.prefill(x[:, :split])
+        chk.compare(y, y_ref[:, :split], "prefill output", **where)
+        chk.compare(state.kda, s_split, "prefill final KDA state", **where)
+        chk.compare(state.conv, full_ref[:, split:split + 3], "prefill convolution tail", **where)
+    where = dict(file=decode_file, symbol="KDALayer.decode" + (" (fused_recurrent_kda)" if kernels else ""),
+                 condition=f"{cond}, decode after {split}")
+    with chk.guard(**where), torch.no_grad():
+        outs = []
+        for t in range(split, T if state is not None else split):  # none after a prefill that raised
+            y, state = layer.decode(x[:, t:t + 1], state)
+            outs.append(y)
+        if outs:
+            chk.compare(torch.cat(outs, 1), y_ref[:, split:], "decode output", **where)
+            chk.compare(state.kda, s_ref, "decode final KDA state", **where)
+    tail = T - split
+    where = dict(file=prefill_file, symbol="KDALayer.prefill_with_tail", condition=f"{cond}, tail {tail}")
+    with chk.guard(**where), torch.no_grad():
+        y, state, rec = layer.prefill_with_tail(x, None, tail)
+        chk.compare(y, y_ref, "output", **where)
+        chk.compare(state.kda, s_ref, "final state", **where)
+        ctx.check(rec.start == split, f"tail starts at {rec.start}, not {split}", **where)
+        chk.compare(rec.state, s_split, "state before the tail", **where)
+        chk.compare([rec.k, rec.v, rec.g, rec.beta], [t[:, split:] for t in inputs_ref[1:]],
+                    "tail k, v, g, beta", **where)
+        chk.compare(rec.conv, full_ref[:, split:], "tail convolution inputs", **where)
+    _check_pooled(ctx, chk, layer, x, split, decode_file, cond)
+
+
+def _check_pooled(ctx: ProbeContext, chk: Checker, layer, x: torch.Tensor, split: int, file: str, cond: str) -> None:
+    """One pooled decode step at token ``split``: rows in slots (2, 0 = padding, 1), states seeded
+    from the float64 run; outputs and the written slots against it, the null slot left zero."""
+    dev = x.device
+    B = x.shape[0]
+    C = layer.w_qkv.shape[0]
+    slots = torch.tensor([2, 0, 1][:max(2, B + 1)], device=dev)
+    rows = [0, 2][:B]  # batch rows at slots 2 and 1; row 1 is padding
+    xs = torch.zeros(len(slots), 1, x.shape[-1], device=dev)
+    xs[1] = x[0, split] * 0.5 + 1.0  # the padding row has its own (nonzero) input
+    kda_pool = torch.zeros(4, layer.H, layer.K, layer.V, device=dev)
+    conv_pool = torch.zeros(4, 3, C, device=dev)
+    states = []
+    for i, r in enumerate(rows):
+        xs[r] = x[i, split]
+        _, s, full, _ = ref.kda_layer(layer, f64(x[i:i + 1, :split]))
+        kda_pool[slots[r]] = s[0].to(dev, torch.float32)
+        conv_pool[slots[r]] = full[0, -3:].to(dev, torch.float32)
+        y, s2, full2, _ = ref.kda_layer(layer, f64(x[i:i + 1, split:split + 1]), h0=s, conv_hist=full[:, -3:])
+        states.append((y, s2, full2))
+    pad_ref = ref.kda_layer(layer, f64(xs[1:2]))[0]
+    where = dict(file=file, symbol="KDALayer.decode_pooled", condition=f"{cond}, slots {slots.tolist()}")
+    with chk.guard(**where), torch.no_grad():
+        out = layer.decode_pooled(xs, conv_pool, kda_pool, slots)
+        for r, (y, s2, full2) in zip(rows, states):
+            chk.compare(out[r:r + 1], y, f"output of the row in slot {int(slots[r])}", **where)
+            chk.compare(kda_pool[slots[r]], s2[0], f"KDA state written to slot {int(slots[r])}", **where)
+            chk.compare(conv_pool[slots[r]], full2[0, -3:], f"convolution tail of slot {int(slots[r])}", **where)
+        chk.compare(out[1:2], pad_ref, "padding row (slot 0 must read zeros)", **where)
+        ctx.check(not kda_pool[0].any() and not conv_pool[0].any(), "the null slot 0 was written", **where)
+
+
+# -- the image path and the whole model --------------------------------------------------------------
+
+
+def _netpbm(pixels: torch.Tensor, maxval: int) -> bytes:
+    """Binary PPM (3 channels) or PGM (1) bytes of pixels [C, H, W] (ints <= maxval), with a comment."""
+    C, H, W = pixels.shape
+    magic = b"P6" if C == 3 else b"P5"
+    body = bytes(pixels.permute(1, 2, 0).reshape(-1).tolist())
+    return magic + b"\n# probe image\n%d %d\n%d\n" % (W, H, maxval) + body
+
+
+def _check_image_loading(ctx: ProbeContext, chk: Checker, draw: Draw, patch: int, side: int) -> None:
+    from target_stack.model.image import load_image
+
+    H, W = 2 * patch, 3 * patch
+    for C, maxval in ((3, 255), (1, 200), (3, 100)):
+        px = draw.randint(maxval + 1, (C, H, W))
+        want = (f64(px) / maxval).expand(3, H, W)
+        where = dict(file=IMAGE, symbol="decode_netpbm / load_image", condition=f"{'PPM' if C == 3 else 'PGM'} "
+                     f"{W}x{H}, maxval {maxval}")
+        with chk.guard(**where):
+            chk.compare(load_image(_netpbm(px, maxval), patch, side), want, "decoded image", **where)
+    px = draw.randint(256, (3, H, W)).to(torch.uint8)
+    where = dict(file=IMAGE, symbol="load_image", condition="uint8 tensor")
+    with chk.guard(**where):
+        chk.compare(load_image(px, patch, side), f64(px) / 255, "uint8 image", **where)
+
+
+@probe(kind="correctness")
+def hybrid(ctx: ProbeContext) -> None:
+    """The image path (netpbm decoding, normalisation, the image encoder) and the hybrid model
+    (embedding, every block, final norm, LM head, an image prefix) against float64 compositions of
+    the layer definitions; each component also runs on its own input from the model, to name it."""
+    from target_stack.model.model import HybridModel, ModelConfig
+
+    p = ctx.params
+    chk = Checker(ctx, p.get("tolerance", 1e-4))
+    draw = Draw(ctx.device)
+    dev = ctx.device
+    model = HybridModel(ModelConfig(seed=_seed(draw)))
+    ref.randomize_norms(model, draw.cpu)
+    model.to(dev).eval()
+    cfg = model.cfg
+    _check_image_loading(ctx, chk, draw, cfg.patch, cfg.max_image_side)
+    image = draw.rand(3, 2 * cfg.patch, 3 * cfg.patch)
+    where = dict(file=MODEL, symbol="ImageEncoder.forward / patches")
+    embeds = None
+    with chk.guard(**where):
+        embeds = model.image_encoder(image)
+        chk.compare(embeds, ref.image_encoder(model.image_encoder, f64(image)), "image embeddings", **where)
+    T = p.get("T", 80)
+    for _ in range(3):  # inputs with a near-tie in a discrete choice are drawn again
+        tokens = draw.randint(cfg.vocab, (2, T))
+        refs = [ref.hybrid_logits(model, row.tolist()) for row in tokens]
+        if min(m for _, m in refs) > MARGIN:
+            break
+    ctx.check(T > cfg.block * cfg.top_k_blocks, "probe sequence too short to drop key blocks", file=MODEL)
+    located: dict[tuple[str, str], float] = {}
+    for row in tokens:  # each component on the input the model gives it: names the part that is off
+        with chk.guard(file=MODEL, symbol="HybridModel.forward", condition=f"T={T}"):
+            for file, symbol, err in ref.diagnose(model, row.tolist(), chk.tolerance, MARGIN):
+                located[file, symbol] = max(err, located.get((file, symbol), 0.0))
+    for (file, symbol), err in located.items():
+        ctx.fail(f"{symbol} departs from its definition on the model's own input: rel. error {err:.2e}",
+                 file=file, symbol=symbol, condition=f"T={T}, in the hybrid model")
+    checks = [("HybridModel.forward", tokens, None, torch.stack([r for r, _ in refs]), f"T={T}")]
+    if embeds is not None:
+        want, margin = ref.hybrid_logits(model, tokens[0, :20].tolist(), prefix=f64(embeds))
+        if margin > MARGIN:
+            checks.append(("HybridModel.forward (prefix)", tokens[:1, :20], embeds[None], want[None],
+                           "image embeddings in front"))
+    for symbol, toks, prefix, want, cond in checks:
+        where = dict(file=MODEL, symbol=symbol, condition=cond)
+        with chk.guard(**where):
+            out = model(toks, prefix=prefix)
+            if located:  # already named; the end-to-end error still counts
+                chk.track(rel_err(out, want))
+            else:
+                chk.compare(out, want, "logits (every component matches on its own input: the composition)",
+                            **where)
+    chk.report()

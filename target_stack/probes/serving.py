@@ -1,0 +1,526 @@
+"""target_stack's serving-path probes against independent references (protected from patches):
+the sampler against the exact distribution, the engine's logits against the float64 model,
+ReplaySSM against the KDA recurrence, tensor parallelism and the disaggregated cluster.
+
+The engine is observed, never changed: its runner's ``prefill_from`` and ``decode`` are wrapped
+to record the logits of every step, which the float64 composition of the layer definitions
+(:mod:`target_stack.probes.reference`) recomputes from each sequence's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+
+import torch
+
+from feedback.correctness import rel_err
+from feedback.probe import ProbeContext, probe
+
+import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
+from target_stack.probes import reference as ref
+from target_stack.probes.reference import Checker, Draw, f64, isolated
+
+SAMPLER = "target_stack/engine/sampler.py"
+RUNNER = "target_stack/engine/runner.py"
+PREFIX = "target_stack/engine/prefix.py"
+REPLAY = "target_stack/engine/replay_ssm.py"
+ENGINE = "target_stack/engine/engine.py"
+TP = "target_stack/engine/tp.py"
+DISAGG = "target_stack/engine/disagg.py"
+MARGIN = 1e-4  # as in the model probes: discrete choices closer than this are drawn again
+
+torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
+
+
+# -- the sampler ------------------------------------------------------------------------------------
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest set of most likely tokens whose mass reaches top_p, renormalised (float64)."""
+    if top_p >= 1.0:
+        return probs / probs.sum()
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep[order[before < top_p]] = True
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum()
+
+
+def _case_distribution(logits: torch.Tensor, temperature: float, mass: float) -> tuple[torch.Tensor, float, float]:
+    """(exact distribution, top_p, smallest kept probability, or 0 for a nucleus of one token): top_p
+    lies midway into the mass of the token that completes ``mass``, so float rounding cannot move
+    the nucleus boundary."""
+    probs = ref.softmax(f64(logits) / temperature)
+    if mass >= 1.0:
+        return probs, 1.0, math.inf  # no nucleus boundary to count
+    s = probs.sort(descending=True).values
+    m = int((s.cumsum(0) < mass).sum()) + 1  # tokens needed to reach the mass
+    top_p = (s[:m - 1].sum() + 0.5 * s[m - 1]).item()
+    want = nucleus(probs, top_p)
+    return want, top_p, (want[want > 0].min()).item() if m > 1 else 0.0
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probabilities (bins of expected count < 5 merged)."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = max(1, len(exp) - 1)
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
+
+
+@probe(kind="correctness")
+def sampler(ctx: ProbeContext) -> None:
+    """Temperature and top-p sampling against the exact softmax(logits / T) restricted to the
+    nucleus (a chi-square test over thousands of draws, no draw outside the nucleus), the filter's
+    renormalised probabilities exactly, greedy rows, and seeded reproducibility.
+
+    All cases share one batch: one sequence (own logits, parameters and seeded generator) per row,
+    one ``sample`` call per draw, so a row mixed up with another, or a generator reseeded per step,
+    shows too.  The p-value threshold makes a false alarm a one-in-a-million event.
+    """
+    from target_stack.engine.sampler import sample, top_p_filter
+    from target_stack.engine.sequence import SamplingParams, Sequence
+
+    p = ctx.params
+    draw = Draw(ctx.device)
+    V, n = p.get("vocab", 24), p.get("draws", 3000)
+    cases = p["cases"]  # {temperature, mass}: top_p set so the nucleus is the tokens reaching that mass
+    for _ in range(20):  # logits whose smallest kept token is likely enough to be counted
+        logits = draw.randn(len(cases) + 1, V) * p.get("logit_scale", 2.0)
+        dists = [_case_distribution(logits[i], c["temperature"], c["mass"]) for i, c in enumerate(cases)]
+        if min(d[2] for d in dists) * n >= p.get("min_expected", 40):
+            break
+    chk = Checker(ctx, p.get("tolerance", 1e-6))
+    where = dict(file=SAMPLER, symbol="top_p_filter")
+    with chk.guard(**where):
+        for (want, top_p, _), c, row in zip(dists, cases, logits):
+            probs = ref.softmax(f64(row) / c["temperature"]).float().to(ctx.device)
+            chk.compare(top_p_filter(probs[None], top_p)[0], want, f"nucleus of top_p={top_p:.3f}",
+                        **where, condition=f"top_p={top_p:.3f}")
+    seeds = [int(s) for s in draw.randint(2**31 - 1, (len(cases),))]
+    seqs = [Sequence(prompt=[0], params=SamplingParams(temperature=c["temperature"], top_p=top, seed=s))
+            for c, (_, top, _), s in zip(cases, dists, seeds)]
+    seqs.append(Sequence(prompt=[0], params=SamplingParams()))  # greedy
+    counts = torch.zeros(len(cases), V, dtype=torch.float64)
+    first: list[list[int]] = []
+    greedy_ok = True
+    where = dict(file=SAMPLER, symbol="sample")
+    with chk.guard(**where):
+        for _ in range(n):
+            tokens = sample(logits, seqs)
+            first.append(tokens)
+            for i, t in enumerate(tokens[:-1]):
+                counts[i, t] += 1
+            greedy_ok &= tokens[-1] == int(logits[-1].argmax())
+        ctx.check(greedy_ok, "a temperature-0 row did not take the argmax", **where, condition="temperature=0")
+        worst_p, outside = 1.0, 0
+        for i, ((want, top_p, _), c) in enumerate(zip(dists, cases)):
+            cond = f"temperature={c['temperature']}, top_p={top_p:.3f}, {n} draws"
+            out = int(counts[i][want == 0].sum())
+            outside += out
+            ctx.check(out == 0, f"{out} draws outside the top-p nucleus", **where, condition=cond)
+            pv = chi_square_p_value(counts[i], want)
+            worst_p = min(worst_p, pv)
+            tv = 0.5 * (counts[i] / n - want).abs().sum().item()
+            ctx.check(pv >= p.get("min_p_value", 1e-6), f"draws do not follow softmax(logits / T) on the nucleus: "
+                      f"chi-square p = {pv:.1e}, total variation {tv:.3f}", **where, condition=cond)
+        ctx.metric("min_p_value", worst_p, better="higher")
+        ctx.metric("draws_outside_nucleus", outside, better="lower")
+        again = [Sequence(prompt=[0], params=s.params) for s in seqs[:-1]]
+        replay = [sample(logits[:-1], again) for _ in range(p.get("replay", 50))]
+        ctx.check(replay == [t[:-1] for t in first[:len(replay)]], "the same seed did not give the same draws",
+                  **where, condition="seeded sequences")
+    chk.report()
+
+
+# -- the engine against the float64 model ----------------------------------------------------------
+
+
+def _components_off(model, tokens: list[int], tolerance: float) -> list[tuple[str, str, float]]:
+    """The model components the runner uses (norms, mixers, FFNs, embedding) that depart from their
+    definitions; the runner wires the blocks itself, so Block.forward and HybridModel.forward are not
+    among them."""
+    return [(f, s, e) for f, s, e in ref.diagnose(model, tokens, tolerance, MARGIN)
+            if not s.startswith(("Block.forward", "HybridModel.forward"))]
+
+
+def _record(runner) -> list[tuple[int, int, str, torch.Tensor]]:
+    """Wrap the runner's prefill and decode to record (sequence id, position, phase, logits)."""
+    records: list[tuple[int, int, str, torch.Tensor]] = []
+    prefill_from, decode = runner.prefill_from, runner.decode
+
+    def recording_prefill(seq, tail=0):
+        logits, tails = prefill_from(seq, tail)
+        records.append((seq.id, seq.num_prompt - 1, "prefix" if seq.reused else "prefill", logits.detach().clone()))
+        return logits, tails
+
+    def recording_decode(seqs):
+        logits = decode(seqs)
+        for row, s in enumerate(seqs):
+            records.append((s.id, s.length - 1, "decode", logits[row].detach().clone()))
+        return logits
+
+    runner.prefill_from, runner.decode = recording_prefill, recording_decode
+    return records
+
+
+_WHERE = {"prefill": dict(file=RUNNER, symbol="ModelRunner.prefill_from"),
+          "prefix": dict(file=PREFIX, symbol="PrefixCache.match / PrefixEntry.restore (ModelRunner.prefill_from)"),
+          "decode": dict(file=RUNNER, symbol="ModelRunner.decode / decode_step")}
+
+
+def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) -> tuple[list, float, object, int]:
+    """One run of the engine (``options``: LLMEngine arguments) on fresh weights and prompts: the
+    recorded steps per sequence and phase as [(phase, condition, logits, float64 logits, tokens that
+    are not their step's argmax, tokens, logits of the model's own forward)], the smallest margin of
+    the float64 model's discrete choices, the model, and the engine's preemptions."""
+    from target_stack.engine import LLMEngine, SamplingParams
+    from target_stack.model.model import HybridModel, ModelConfig
+
+    p = ctx.params
+    model = HybridModel(ModelConfig(seed=int(draw.randint(2**31 - 1, (1,))), **config))
+    ref.randomize_norms(model, draw.cpu)
+    engine = LLMEngine(model, device=ctx.device, **{"page_size": p.get("page_size", 16), "prefix_cache": True,
+                                                     "prefix_ring": p.get("prefix_ring", 64), **options})
+    records = _record(engine.runner)
+    vocab, n = model.cfg.vocab, p.get("max_tokens", 4)
+    prompts = [draw.randint(vocab, (L,)).tolist() for L in p["prompt_lengths"]]
+    side = 2 * model.cfg.patch
+    image = draw.rand(3, side, side)
+    first = engine.generate(prompts + [prompts[0][:5]], SamplingParams(max_tokens=n),
+                            images=[None] * len(prompts) + [image])
+    # prompts that extend a prefix of the longest one: prefills from the cache (shared pages, ReplaySSM)
+    base = max(prompts, key=len)
+    later = [base[:keep] + draw.randint(vocab, (extra,)).tolist() for keep, extra in p["reuse"]]
+    second = engine.generate(later, SamplingParams(max_tokens=n))
+    embeds = ref.image_encoder(model.image_encoder, f64(image))
+    own_embeds = model.image_encoder(image)  # what the engine spliced in: for its own-forward comparison
+    rows, margin = [], math.inf
+    for out, prefix in [(o, None) for o in first[:-1]] + [(first[-1], embeds)] + [(o, None) for o in second]:
+        tokens = out.prompt + out.tokens[:-1]
+        want, m = ref.hybrid_logits(model, tokens, prefix=prefix)
+        with torch.no_grad():
+            own = model(torch.tensor([tokens], device=ctx.device), prefix=None if prefix is None else own_embeds[None])
+        own = own[0]
+        margin = min(margin, m)
+        offset = 0 if prefix is None else prefix.shape[0]
+        by_phase: dict[str, list] = {}
+        for sid, pos, phase, logits in records:
+            if sid == out.id:
+                by_phase.setdefault(phase, []).append((pos, logits))
+        chosen = {offset + len(out.prompt) - 1 + i: t for i, t in enumerate(out.tokens)}
+        for phase, got in by_phase.items():
+            pos = [q for q, _ in got]
+            cond = (f"prompt of {len(out.prompt)} tokens" + (" after an image" if prefix is not None else "")
+                    + f", positions {pos[0]}..{pos[-1]}")
+            logits = torch.stack([g for _, g in got])
+            greedy = [int(t) for t, row in zip((chosen[q] for q in pos), logits) if row[t] != row.max()]
+            rows.append((phase, cond, logits, want[pos], greedy, tokens, own[pos]))
+    return rows, margin, model, engine.preemptions
+
+
+@probe(kind="correctness")
+def engine_reference(ctx: ProbeContext) -> None:
+    """The engine's logits at every prefill, decode and prefix-reusing prefill step (continuous
+    batching, paged KV, state slots, an image prompt) against the float64 model recomputed from
+    each sequence's tokens, per engine configuration, and every greedy token the argmax of its
+    step's logits.  A model component that is off is named as such (the runner wires the blocks
+    itself).  Then ReplaySSM's states against the KDA recurrence."""
+    chk = Checker(ctx, ctx.params.get("tolerance", 1e-4))
+    for config in ctx.params.get("configs", [{}]):
+        name = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("tolerance", "metric")) or "defaults"
+        # each configuration apart (on a CPU): a crash, in the native MoE say, is located and the rest runs
+        done, _ = isolated(ctx, lambda config=config, name=name: _check_config(ctx, chk, dict(config), name), chk,
+                           file=ENGINE, symbol="LLMEngine.generate", condition=name)
+        if not done:
+            chk.track(math.inf, config.get("metric"))
+    _check_replay(ctx, chk, Draw(ctx.device))
+    chk.report()
+
+
+def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> None:
+    """One engine configuration: ModelConfig fields, ``engine`` (LLMEngine arguments; with
+    ``preempts`` the run must preempt), ``tolerance`` and ``metric`` for a looser bound."""
+    draw = Draw(ctx.device)  # its own draws: a forked configuration's would be its sibling's
+    tol = config.pop("tolerance", None)  # a looser bound (quantised KV storage), with a metric of its own
+    metric = config.pop("metric", None)
+    options = dict(config.pop("engine", {}))
+    preempts = options.pop("preempts", False)
+    for _ in range(3):  # a near-tie in a discrete choice of the model: other weights and prompts
+        rows, margin, failed = [], math.inf, ctx.failed
+        with chk.guard(file=ENGINE, symbol="LLMEngine.generate", condition=name):
+            rows, margin, model, preemptions = _engine_attempt(ctx, draw, config, options)
+            if preempts:
+                ctx.check(preemptions > 0, "no preemption: the probe's memory is too roomy for this configuration",
+                          file="target_stack/engine/scheduler.py", symbol="Scheduler.schedule", condition=name)
+        if ctx.failed != failed or margin > MARGIN:
+            break
+    blamed = None  # the model's own components, judged once the engine is off somewhere
+    for phase, cond, got, want, wrong, tokens, own in rows:
+        where = dict(_WHERE[phase], condition=f"{name}; {cond}")
+        bound = chk.tolerance if tol is None else tol
+        if not rel_err(got, want) <= bound and blamed is None:
+            blamed = _components_off(model, tokens, chk.tolerance)
+            for file, symbol, err in blamed:
+                ctx.fail(f"the engine's logits are off, and the model's {symbol} departs from its definition "
+                         f"on its own input (rel. error {err:.2e})", file=file, symbol=symbol, condition=name)
+        if blamed:  # a component is off (named above): the engine must still equal the model's own forward
+            chk.track(rel_err(got, want), metric)
+            chk.compare(got, own, f"{phase} logits", tolerance=bound, against="the model's own forward",
+                        metric=metric, **where)
+        else:
+            chk.compare(got, want, f"{phase} logits", tolerance=bound, metric=metric, **where)
+        ctx.check(not wrong, f"greedy tokens {wrong} are not the argmax of the step's logits",
+                  file=SAMPLER, symbol="sample (greedy) / LLMEngine.step", condition=f"{name}; {cond}")
+
+
+def _check_replay(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """ReplaySSM built from a sequence (prefix folded into the checkpoint), replayed at positions of
+    its ring, stepped past a full ring, truncated: states and outputs against the recurrence."""
+    from target_stack.engine.replay_ssm import ReplaySSM
+    from target_stack.ops.kda.naive import naive_recurrent_kda
+    from target_stack.ops.kda.testing import make_inputs
+
+    c = ctx.params.get("replay", {"T": 40, "steps": 25, "H": 2, "K": 16, "V": 16, "capacity": 16})
+    T, steps, H, K, V, cap = (c[n] for n in ("T", "steps", "H", "K", "V", "capacity"))
+    q, k, v, g, beta = make_inputs(1, T + steps, H, K, V, generator=draw.gen, device=ctx.device)
+    h0 = draw.randn(H, K, V)
+    states, outs = [f64(h0)], []
+    for t in range(T + steps):  # the state after every token, one step of the recurrence at a time
+        o, s = naive_recurrent_kda(*(f64(x[:, t:t + 1]) for x in (q, k, v, g, beta)),
+                                   initial_state=states[-1][None], output_final_state=True)
+        states.append(s[0])
+        outs.append(o[0, 0])
+    where = dict(file=REPLAY, symbol="ReplaySSM.from_sequence / state", condition=f"T={T}, capacity={cap}")
+    ssm = None
+    with chk.guard(**where):
+        ssm = ReplaySSM.from_sequence(k[0, :T], v[0, :T], g[0, :T], beta[0, :T], cap, initial_state=h0)
+        ctx.check(ssm.checkpoint_position == T - cap, f"checkpoint at {ssm.checkpoint_position}, not {T - cap}",
+                  **where)
+        for pos in (T - cap, T - cap // 2 - 1, T):
+            chk.compare(ssm.state(pos), states[pos], f"state after {pos} tokens", **where)
+    if ssm is None:
+        return
+    where = dict(file=REPLAY, symbol="ReplaySSM.step / record / truncate", condition=f"{steps} steps past {T}")
+    with chk.guard(**where):
+        got = torch.stack([ssm.step(q[0, t], k[0, t], v[0, t], g[0, t], beta[0, t]) for t in range(T, T + steps)])
+        chk.compare(got, torch.stack(outs[T:]), "step outputs", **where)
+        chk.compare(ssm.state(), states[-1], "state after the steps", **where)
+        back = T + steps - cap // 2
+        ssm.truncate(back)
+        chk.compare(ssm.state(), states[back], f"state after truncating to {back}", **where)
+
+
+# -- tensor parallelism -----------------------------------------------------------------------------
+
+
+def _tp_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of the two-process check (gloo): the sharded layer and LM head on the saved inputs."""
+    import torch.distributed as dist
+
+    from target_stack.engine.tp import TensorParallelKDA, VocabParallelHead
+    from target_stack.model.kda_layer import KDALayer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        data = torch.load(os.path.join(folder, "inputs.pt"))
+        layer = KDALayer(*data["dims"], backend="torch")
+        layer.load_state_dict(data["layer"])
+        x, split = data["x"], data["split"]
+        with torch.no_grad():
+            tp = TensorParallelKDA(layer)
+            y, state = tp.prefill(x[:, :split])
+            steps = []
+            for t in range(split, x.shape[1]):
+                step, state = tp.decode(x[:, t:t + 1], state)
+                steps.append(step)
+            logits = VocabParallelHead(data["lm_head"])(data["h"])
+        torch.save({"prefill": y, "decode": torch.cat(steps, 1), "state": state.kda, "logits": logits,
+                    "heads": tp.shard.H}, os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@probe(kind="correctness")
+def tensor_parallel(ctx: ProbeContext) -> None:
+    """Two real ranks over gloo: the head-sharded KDA layer (prefill, decode with the local states)
+    and the vocabulary-parallel LM head against the float64 layer definition and h . W^T.
+    (gloo runs on the CPU; the sharding logic is the same on NCCL.)"""
+    import torch.multiprocessing as mp
+
+    from target_stack.model.kda_layer import KDALayer
+
+    p = ctx.params
+    draw = Draw("cpu")
+    chk = Checker(ctx, p.get("tolerance", 1e-5))
+    dim, H, K, V, T, split, world = (p[n] for n in ("dim", "heads", "head_k", "head_v", "T", "prefill", "world"))
+    layer = KDALayer(dim, H, K, V, draw.cpu, backend="torch")
+    ref.randomize_norms(layer, draw.cpu)
+    x = draw.randn(2, T, dim)
+    vocab = p.get("vocab", 37)  # not a multiple of the world size: the last rank is padded
+    lm_head, h = draw.randn(vocab, dim), draw.randn(2, 3, dim)
+    with tempfile.TemporaryDirectory(prefix="tp-probe-") as folder:
+        torch.save({"dims": (dim, H, K, V), "layer": layer.state_dict(), "x": x, "split": split,
+                    "lm_head": lm_head, "h": h}, os.path.join(folder, "inputs.pt"))
+        with chk.guard(file=TP, symbol="TensorParallelKDA / VocabParallelHead", condition=f"world={world}"):
+            # fork: the ranks start in milliseconds (this process is single-threaded and has no CUDA state)
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            mp.start_processes(_tp_rank, args=(world, _free_port(), folder), nprocs=world, start_method=method)
+        results = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)
+                   if os.path.exists(os.path.join(folder, f"rank{r}.pt"))]
+    ctx.check(len(results) == world, f"{world - len(results)} of {world} ranks wrote no result", file=TP)
+    y_ref, s_ref, _, _ = ref.kda_layer(layer, f64(x))
+    logits_ref = f64(h) @ f64(lm_head).T
+    h_local = H // world
+    for r, res in enumerate(results):
+        cond = f"rank {r} of {world}"
+        where = dict(file=TP, symbol="shard_kda_layer / TensorParallelKDA.prefill", condition=cond)
+        ctx.check(res["heads"] == h_local, f"rank holds {res['heads']} heads, not {h_local}", **where)
+        chk.compare(res["prefill"], y_ref[:, :split], "all-reduced prefill output", **where)
+        where = dict(where, symbol="shard_kda_layer / TensorParallelKDA.decode")
+        chk.compare(res["decode"], y_ref[:, split:], "all-reduced decode output", **where)
+        chk.compare(res["state"], s_ref[:, r * h_local:(r + 1) * h_local], "the rank's KDA state (its heads)", **where)
+        chk.compare(res["logits"], logits_ref, "all-gathered logits", **dict(where, symbol="VocabParallelHead"))
+    chk.report()
+
+
+# -- the disaggregated cluster -----------------------------------------------------------------------
+
+
+def _check_transfer(ctx: ProbeContext, draw: Draw, stages: int) -> None:
+    """The transfer thread's copy of a sequence's KV pages (values and int8 scales) and state slots
+    into the reserved ones, stage by stage, in every copy mode, against its definition: reserved page
+    i holds the sequence's page i, the reserved slot its slot, and nothing else is written."""
+    from target_stack.engine.disagg import COPY_MODES, TransferEngine
+    from target_stack.engine.runner import ModelRunner
+    from target_stack.engine.sequence import SamplingParams, Sequence
+    from target_stack.model.model import HybridModel, ModelConfig
+
+    model = HybridModel(ModelConfig(kv_dtype="int8")).to(ctx.device)
+    src, dst = (ModelRunner(model, num_pages=8, page_size=4, num_slots=4) for _ in range(2))
+    remote = {}  # the decode worker's pools as the prefill worker sees them
+    for runner, pools in ((src, {}), (dst, remote)):
+        for layer, cache in runner.kv.items():
+            pools.update({f"kv.{layer}.{name}": t for name, t in cache.tensors().items()})
+        for layer, pool in runner.states.items():
+            pools.update({f"state.{layer}.kda": pool.kda, f"state.{layer}.conv": pool.conv})
+        for t in pools.values():
+            t.copy_(draw.randn(*t.shape) * 50)  # every page and slot distinct (int8 values too)
+    seq = Sequence(prompt=[0], params=SamplingParams())
+    seq.pages, seq.slot = [5, 2, 7], 3
+    dst_pages, dst_slot = [1, 6, 4], 2
+    layers = list(range(len(model.blocks)))
+    bounds = [round(len(layers) * (s + 1) / stages) for s in range(stages)]
+    source = {**{f"kv.{i}.{n}": t for i, c in src.kv.items() for n, t in c.tensors().items()},
+              **{f"state.{i}.{n}": getattr(p, n) for i, p in src.states.items() for n in ("kda", "conv")}}
+    clean = {k: t.clone() for k, t in remote.items()}
+    for mode in COPY_MODES:
+        where = dict(file=DISAGG, symbol=f"TransferEngine._copy_stage (copy={mode!r})",
+                     condition=f"pages {seq.pages} -> {dst_pages}, slot {seq.slot} -> {dst_slot}, {stages} stages")
+        with Checker(ctx, 0).guard(**where):
+            for k, t in remote.items():
+                t.copy_(clean[k])
+            engine = TransferEngine(src, remote, None, None, lambda item, error: None, mode)
+            try:
+                for a, b in zip([0, *bounds], bounds, strict=False):
+                    engine._copy_stage(seq, layers[a:b], dst_pages, dst_slot)
+                if engine.stream is not None:
+                    engine.stream.synchronize()
+            finally:
+                engine.close()
+            wrong = []
+            for key, t in remote.items():
+                want = clean[key].clone()
+                if key.startswith("kv."):
+                    want[dst_pages] = source[key][seq.pages]
+                else:
+                    want[dst_slot] = source[key][seq.slot]
+                if not torch.equal(t, want):
+                    wrong.append(key)
+            ctx.check(not wrong, f"the copied pools differ from the sequence's pages and slot: {wrong[:4]}"
+                      + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""), **where)
+
+
+@probe(kind="correctness")
+def disagg(ctx: ProbeContext) -> None:
+    """The KV transfer's copy in every mode against its definition, then greedy outputs of the
+    disaggregated cluster (encode, prefill with the native MoE and the layer-split KV transfer,
+    decode) against the float64 model on the same tokens: every token is the float64 argmax, or
+    within the margin of a tie.  Wrong tokens are traced to the model's components where they are
+    the cause."""
+    import dataclasses
+
+    from target_stack.engine import SamplingParams
+    from target_stack.engine.disagg import DisaggCluster
+    from target_stack.model.model import PRESETS, HybridModel
+
+    p = ctx.params
+    draw = Draw(ctx.device)
+    _check_transfer(ctx, draw, p.get("stages", 2))
+    seed = int(draw.randint(2**31 - 1, (1,)))
+    cfg = dataclasses.replace(PRESETS["tiny"], seed=seed)
+    model = HybridModel(cfg)  # the workers build the same weights from the same config
+    n = p.get("max_tokens", 3)
+    prompts = [draw.randint(cfg.vocab, (L,)).tolist() for L in p["prompt_lengths"]]
+    image = draw.rand(3, 2 * cfg.patch, 2 * cfg.patch).cpu()
+    images = [None] * len(prompts) + [image]  # the last request: the first prompt after an image
+    requests = [(q, SamplingParams(max_tokens=n), img) for q, img in zip(prompts + prompts[:1], images)]
+    device = "cuda" if ctx.device == "cuda" else "cpu"
+    where = dict(file=DISAGG, symbol="DisaggCluster / prefill_worker / TransferEngine / decode_worker")
+    result = None
+    sizes = dict(stages=p.get("stages", 2), page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 64),
+                 max_model_len=p.get("max_model_len", 256))
+    with Checker(ctx, 0).guard(**where), DisaggCluster({"preset": "tiny", "seed": seed, "device": device},
+                                                       **sizes) as workers:
+        result = workers.run(requests, timeout_s=p.get("timeout_s", 60))
+    if result is None:
+        return
+    # how far below the float64 maximum (in standard deviations of the logits) a token may be: the
+    # workers run fp32 on a CPU, bf16 on a GPU; a token after a broken transfer is unrelated, ~2-3 below
+    margin = float(p.get("token_margin", {}).get(device, 1e-3))
+    embeds = ref.image_encoder(model.image_encoder, f64(image))
+    checked = wrong = failures = 0
+    for (prompt, _, img), out in zip(requests, result.outputs):
+        if isinstance(out, Exception):
+            failures += 1
+            ctx.fail(f"request failed: {out}", **where)
+            continue
+        prefix = embeds if img is not None else None
+        want, _ = ref.hybrid_logits(model, prompt + out.tokens[:-1], prefix=prefix)
+        start = len(prompt) - 1 + (0 if prefix is None else prefix.shape[0])
+        for i, t in enumerate(out.tokens):
+            w = want[start + i]
+            checked += 1
+            gap = (w.max() - w[t]).item() / w.std().item()
+            if gap > margin:
+                wrong += 1
+                step = "first token (prefill)" if i == 0 else f"decode step {i}"
+                ctx.fail(f"token {i} is {t}, not the float64 argmax {int(w.argmax())} (gap {gap:.2f} std)", **where,
+                         condition=f"prompt of {len(prompt)}{' after an image' if img is not None else ''}, {step}")
+    ctx.metric("tokens_checked", checked)
+    ctx.metric("wrong_tokens", wrong, better="lower")
+    if wrong or failures:  # the model itself, component by component, with the prefill worker's native MoE
+        native = HybridModel(dataclasses.replace(cfg, moe_backend="native"))
+
+        def components():
+            for file, symbol, err in _components_off(native, requests[1][0], 1e-4):
+                ctx.fail(f"the model's {symbol} departs from its definition on its own input (rel. error "
+                         f"{err:.2e})", file=file, symbol=symbol)
+
+        isolated(ctx, components, file=DISAGG, symbol="the model of the workers (native MoE)")

@@ -1,0 +1,206 @@
+"""The component probes through the real harness: each one passes on the clean bundled target and
+fails, naming the right file and symbol, when a realistic defect is planted in a scratch copy.
+
+Defects are grouped so that one harness call runs several probes, each seeing only the defects
+in the files it covers; every probe also runs (and passes) in a tree where its files are clean.
+Several defects in one file are told apart by the symbol their findings name.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from feedback.harness import judge
+from feedback.models import Status
+from feedback.targets import materialize_bundled
+
+LAYERS = "target_stack/model/layers.py"
+QUANT = "target_stack/model/quant.py"
+MODEL = "target_stack/model/model.py"
+IMAGE = "target_stack/model/image.py"
+KDA_LAYER = "target_stack/model/kda_layer.py"
+SAMPLER = "target_stack/engine/sampler.py"
+RUNNER = "target_stack/engine/runner.py"
+TP = "target_stack/engine/tp.py"
+REPLAY = "target_stack/engine/replay_ssm.py"
+DISAGG = "target_stack/engine/disagg.py"
+NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
+CHUNK = "target_stack/ops/kda/chunk.py"
+RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
+CP = "target_stack/ops/kda/cp.py"
+
+# name: (file, text, replacement)
+DEFECTS = {
+    "rmsnorm eps outside the root": (
+        LAYERS, "torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)",
+        "1.0 / (xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)"),
+    "prefill window one token wider": (
+        LAYERS, "keep |= (qpos[:, None] - pos[None, :] < window) & causal",
+        "keep |= (qpos[:, None] - pos[None, :] <= window) & causal"),
+    "softmax routing": (
+        LAYERS, "scores = torch.sigmoid(F.linear(x.float(), self.router.float()))",
+        "scores = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)"),
+    "top-k weights not renormalised": (
+        LAYERS, "return w / w.sum(-1, keepdim=True).clamp_min(1e-9), idx", "return w, idx"),
+    "decode window one token shorter": (
+        LAYERS, "keep |= (lengths[:, None] - 1 - pos[None, :]) < window",
+        "keep |= (lengths[:, None] - pos[None, :]) < window"),
+    "int8 KV scale over 128": (
+        QUANT, 'if kind == "int8":\n        scale = amax / 127.0', 'if kind == "int8":\n        scale = amax / 128.0'),
+    "per-tensor activation scale": (
+        QUANT, "amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8)\n    scale = amax / 127.0",
+        "amax = x.abs().amax().float().clamp_min(1e-8).expand(*x.shape[:-1], 1)\n    scale = amax / 127.0"),
+    "temperature applied twice": (
+        SAMPLER, "torch.softmax(logits[row] / p.temperature, dim=-1)",
+        "torch.softmax(logits[row] / p.temperature / p.temperature, dim=-1)"),
+    "top-p keeps one token too few": (
+        SAMPLER, "sorted_p.masked_fill(before >= top_p, 0.0)", "sorted_p.masked_fill(before + sorted_p > top_p, 0.0)"),
+    "top-p not renormalised": (SAMPLER, "return kept / kept.sum(-1, keepdim=True)", "return kept"),
+    "k not normalised": (KDA_LAYER, "k = F.normalize(k.reshape(B, T, H, K), dim=-1)", "k = k.reshape(B, T, H, K)"),
+    "tp dt_bias of rank 0 everywhere": (
+        TP, "shard.dt_bias.copy_(layer.dt_bias[q_idx])", "shard.dt_bias.copy_(layer.dt_bias[: h * K])"),
+    "ffn reads the first norm": (MODEL, "return h + ffn(norm2(h))", "return h + ffn(norm(h))"),
+    "netpbm divided by 255": (
+        IMAGE, "img = px.permute(2, 0, 1).float() / maxval", "img = px.permute(2, 0, 1).float() / 255"),
+    "native silu sign": (NATIVE_C, "hid[h] = g / (1.f + expf(-g)) * u;", "hid[h] = g / (1.f + expf(g)) * u;"),
+    "decode lengths one short": (
+        RUNNER, "lengths = torch.tensor([s.length for s in seqs], device=self.device)",
+        "lengths = torch.tensor([s.length - 1 for s in seqs], device=self.device)"),
+    "in-kernel k normalisation dropped": (
+        RECURRENT, "            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)\n", ""),
+    "last chunk decays past the sequence end": (
+        CHUNK, "t_last = tl.minimum(t0 + BT, eos) - 1\n        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k",
+        "t_last = t0 + BT - 1\n        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k"),
+    "replay decay off by one token": (REPLAY, "G = g.cumsum(0)  # [n, H, K]", "G = g.cumsum(0) - g  # [n, H, K]"),
+    "conv tail not transferred": (DISAGG, 'for name in ("kda", "conv"):', 'for name in ("kda",):'),
+    "page copy to the source page": (DISAGG, "remote[dst].copy_(t[src])", "remote[src].copy_(t[src])"),
+    "merge row of the wrong sequence": (CP, "row = (i_n * P + p) * H + i_h", "row = (i_n + p) * H + i_h"),
+}
+
+
+def _tree(tmp_path: pathlib.Path, defects: list[str]) -> pathlib.Path:
+    tree = materialize_bundled(tmp_path / "ts")
+    for name in defects:
+        file, text, replacement = DEFECTS[name]
+        path = tree / file
+        source = path.read_text()
+        assert source.count(text) == 1, f"defect {name!r}: the text to replace is not in {file} exactly once"
+        path.write_text(source.replace(text, replacement))
+    return tree
+
+
+def _judge(tmp_path: pathlib.Path, defects: list[str], probes: list[str]) -> dict:
+    tree = _tree(tmp_path, defects)
+    env = {"TARGET_STACK_CACHE": str(tmp_path / "native-cache")}  # a planted C defect builds its own library
+    report = judge(tree, probe_ids=probes, run_all=True, use_cache=False, jobs=2, extra_env=env)
+    return {r.probe: r for r in report.results}
+
+
+def _located(result) -> list[tuple[str, str]]:
+    """(file, symbol or kernel) of the probe's own findings (threshold violations left out)."""
+    return [(f.location.file or "", f.location.symbol or f.location.kernel or "") for f in result.findings
+            if "violates" not in f.message]
+
+
+def assert_passed(results: dict, *probes: str) -> None:
+    for pid in probes:
+        r = results[pid]
+        assert r.status == Status.passed, f"{pid} on a clean copy: {r.status} {r.reason} {_located(r)} " \
+                                          f"{[f.message for f in r.findings]}"
+
+
+def assert_caught(result, *expected: tuple[str, str], only: bool = True) -> None:
+    """Failed, with a finding at each (file, symbol part); with ``only``, no finding names another file."""
+    located = _located(result)
+    assert result.status == Status.failed, f"{result.probe}: {result.status} {result.reason} {located}"
+    for file, symbol in expected:
+        assert any(f == file and symbol in s for f, s in located), f"{result.probe}: no finding at {file} {symbol}: " \
+                                                                  f"{located}"
+    if only:
+        files = {f for f, _ in expected}
+        assert {f for f, _ in located} <= files, f"{result.probe} also blames {located}"
+
+
+def test_norm_window_kv_scale_sampler_and_tp_defects_are_caught_and_located(tmp_path):
+    r = _judge(tmp_path, ["rmsnorm eps outside the root", "prefill window one token wider", "int8 KV scale over 128",
+                          "temperature applied twice", "top-p not renormalised", "tp dt_bias of rank 0 everywhere"],
+               ["model.layers", "model.quant", "engine.sampler", "engine.tp", "model.kda_layer",
+                "kda.chunk.correctness", "kda.recurrent.correctness"])
+    assert_caught(r["model.layers"], (LAYERS, "RMSNorm.forward"), (LAYERS, "sparse_attention"))
+    assert {s for _, s in _located(r["model.layers"])} == {"RMSNorm.forward", "sparse_attention"}
+    assert_caught(r["model.quant"], (QUANT, "quantize_kv"))
+    assert all("int8" in f.location.condition for f in r["model.quant"].findings if f.location.condition)
+    # the temperature shows in the draws; the filter's missing renormalisation only in its own output
+    # (the draws, normalised by multinomial, still follow the nucleus)
+    assert_caught(r["engine.sampler"], (SAMPLER, "sample"), (SAMPLER, "top_p_filter"))
+    assert {s for _, s in _located(r["engine.sampler"])} == {"sample", "top_p_filter"}
+    assert all("top_p=" in f.location.condition for f in r["engine.sampler"].findings
+               if f.location.symbol == "top_p_filter")
+    assert_caught(r["engine.tp"], (TP, "shard_kda_layer"))
+    assert_passed(r, "model.kda_layer", "kda.chunk.correctness", "kda.recurrent.correctness")
+
+
+def test_routing_decode_window_w8a8_nucleus_and_kda_layer_defects_are_caught_and_located(tmp_path):
+    r = _judge(tmp_path, ["softmax routing", "decode window one token shorter", "per-tensor activation scale",
+                          "top-p keeps one token too few", "k not normalised"],
+               ["model.layers", "model.quant", "engine.sampler", "model.kda_layer"])
+    assert_caught(r["model.layers"], (LAYERS, "MoE.route"), (LAYERS, "sparse_decode_attention"))
+    assert all(s.startswith(("MoE", "sparse_decode_attention")) for _, s in _located(r["model.layers"]))
+    assert_caught(r["model.quant"], (QUANT, "W8A8Linear"))
+    assert_caught(r["engine.sampler"], (SAMPLER, "top_p_filter"), (SAMPLER, "sample"))
+    assert_caught(r["model.kda_layer"], (KDA_LAYER, "KDALayer.prefill"), (KDA_LAYER, "KDALayer.decode"))
+
+
+def test_unnormalised_routing_weights_are_blamed_on_the_router_on_every_path(tmp_path):
+    r = _judge(tmp_path, ["top-k weights not renormalised"], ["model.layers", "model.moe.native"])
+    assert_caught(r["model.layers"], (LAYERS, "MoE.route"))
+    assert_caught(r["model.moe.native"], (LAYERS, "MoE.route"))  # the extension itself computes right
+
+
+def test_block_wiring_image_native_and_cp_layout_defects_are_caught_and_located(tmp_path):
+    r = _judge(tmp_path, ["ffn reads the first norm", "netpbm divided by 255", "native silu sign",
+                          "merge row of the wrong sequence"],
+               ["model.hybrid", "model.moe.native", "kda.cp.correctness", "engine.sampler", "model.layers",
+                "model.quant", "engine.tp"])
+    assert_caught(r["model.hybrid"], (MODEL, "Block.forward"), (IMAGE, "decode_netpbm"))
+    assert not any(s.startswith(("RMSNorm", "MoE", "SwiGLU", "KDALayer")) for _, s in _located(r["model.hybrid"]))
+    assert_caught(r["model.moe.native"], (NATIVE_C, "ts_moe_dispatch_combine"))
+    cp = r["kda.cp.correctness"]  # invisible with one sequence: only the case of two shows it
+    assert_caught(cp, (CP, "chunk_kda_cp"))
+    assert all("B=2" in f.location.condition for f in cp.findings if f.location.condition)
+    assert_passed(r, "engine.sampler", "model.layers", "model.quant", "engine.tp")
+
+
+def test_runner_and_kernel_condition_defects_are_caught_and_located(tmp_path):
+    r = _judge(tmp_path, ["decode lengths one short", "in-kernel k normalisation dropped",
+                          "last chunk decays past the sequence end"],
+               ["engine.reference", "kda.recurrent.correctness", "kda.chunk.correctness", "model.hybrid",
+                "model.moe.native"])
+    assert_caught(r["engine.reference"], (RUNNER, "ModelRunner.decode"))
+    rec = r["kda.recurrent.correctness"]
+    assert_caught(rec, (RECURRENT, "_kda_fused_recurrent_kernel"))
+    assert all("l2norm=True" in f.location.condition for f in rec.findings if f.location.condition)
+    assert_caught(r["kda.chunk.correctness"], (CHUNK, "_kda_state_kernel"))
+    assert_passed(r, "model.hybrid", "model.moe.native")
+
+
+@pytest.mark.slow
+def test_replay_defect_is_caught_while_the_disaggregated_cluster_passes(tmp_path):
+    r = _judge(tmp_path, ["replay decay off by one token"], ["engine.reference", "engine.disagg.correctness"])
+    assert_caught(r["engine.reference"], (REPLAY, "ReplaySSM"), only=False)
+    assert_passed(r, "engine.disagg.correctness")
+
+
+@pytest.mark.slow
+def test_transfer_defects_are_caught_while_the_engine_passes(tmp_path):
+    r = _judge(tmp_path, ["conv tail not transferred", "page copy to the source page"],
+               ["engine.disagg.correctness", "engine.reference"])
+    res = r["engine.disagg.correctness"]
+    assert_caught(res, (DISAGG, "TransferEngine._copy_stage"), (DISAGG, "decode_worker"))  # the copy, the outputs
+    copies = {f.location.symbol: f.message for f in res.findings if "_copy_stage" in (f.location.symbol or "")}
+    # the missing conv tail in every mode; the page-by-page mode's pages besides (kv pools listed first)
+    assert len(copies) == 3 and "kv." in copies["TransferEngine._copy_stage (copy='page')"]
+    assert all("state." in m and "kv." not in m for s, m in copies.items() if "'page'" not in s)
+    assert_passed(r, "engine.reference")

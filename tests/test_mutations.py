@@ -1,0 +1,99 @@
+"""bench/mutations.py: every corpus entry applies to exactly one place of the clean target, entries that
+do not apply are refused as "not applicable", and an end-to-end run catches and localises two cheap defects."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from feedback.targets import materialize_bundled
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_mutations", ROOT / "bench" / "mutations.py")
+mutations = sys.modules.setdefault("bench_mutations", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(mutations)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> pathlib.Path:
+    return materialize_bundled(tmp_path_factory.mktemp("mutations") / "clean")
+
+
+def test_every_corpus_entry_applies_to_exactly_one_place(clean):
+    corpus = mutations.load_corpus()
+    assert len(corpus) >= 30
+    assert {m.area for m in corpus} == set(mutations.AREAS)
+    problems = []
+    for m in corpus:
+        try:
+            text, at = mutations.locate(m, clean)
+        except mutations.NotApplicable as exc:
+            problems.append(f"{m.id}: {exc}")
+            continue
+        mutated = text[:at] + m.new + text[at + len(m.old):]
+        assert mutated != text
+        if m.file.endswith(".py"):  # a realistic defect still compiles; a syntax error is no test of a probe
+            try:
+                compile(mutated, m.file, "exec")
+            except SyntaxError as exc:
+                problems.append(f"{m.id}: the mutated {m.file} does not compile: {exc}")
+        if not (clean / m.expect).is_file():
+            problems.append(f"{m.id}: expected localisation file {m.expect} is not in the tree")
+    assert not problems, "\n".join(problems)
+
+
+def test_absent_or_ambiguous_text_is_not_applicable(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\nx = 1\ny = 2\n")
+    entry = {"area": "engine", "file": "a.py", "new": "z = 3", "description": "d", "expect": "a.py"}
+    with pytest.raises(mutations.NotApplicable, match=r"ambiguous: 2 places in a\.py \(lines 1, 2\)"):
+        mutations.apply(mutations.Mutation(id="twice", old="x = 1", **entry), tmp_path)
+    with pytest.raises(mutations.NotApplicable, match="does not occur"):
+        mutations.apply(mutations.Mutation(id="absent", old="w = 0", **entry), tmp_path)
+    with pytest.raises(mutations.NotApplicable, match="not in the tree"):
+        mutations.apply(mutations.Mutation(id="nofile", old="x", **{**entry, "file": "b.py"}), tmp_path)
+    assert (tmp_path / "a.py").read_text() == "x = 1\nx = 1\ny = 2\n"
+    assert mutations.apply(mutations.Mutation(id="once", old="y = 2", **entry), tmp_path) == 3
+    assert (tmp_path / "a.py").read_text() == "x = 1\nx = 1\nz = 3\n"
+
+
+def test_the_tool_reports_entries_that_do_not_apply_instead_of_crashing(tmp_path):
+    corpus = tmp_path / "corpus.yaml"
+    corpus.write_text(
+        "- {id: gone, area: sampler, file: target_stack/engine/sampler.py, old: 'no such text', new: x,"
+        " description: absent}\n"
+        "- {id: many, area: kernel, file: target_stack/ops/kda/chunk.py, old: 'tl.store(', new: 'tl.store (',"
+        " description: ambiguous}\n")
+    out = tmp_path / "out.json"
+    assert mutations.main(["--corpus", str(corpus), "--json", str(out)]) == 0
+    results = {r["id"]: r for r in json.loads(out.read_text())["results"]}
+    assert results["gone"]["status"] == "not applicable" and "does not occur" in results["gone"]["reason"]
+    assert results["many"]["status"] == "not applicable" and "ambiguous" in results["many"]["reason"]
+
+
+@pytest.mark.slow
+def test_end_to_end_on_two_cheap_defects(tmp_path):
+    """A real harness run: the CP merge's dot losing its precision (the static probe), and the merge storing
+    each partition's incoming state one partition late (the CP correctness probe)."""
+    out = tmp_path / "mutations.json"
+    ids = "kda-cp-merge-implicit-tf32,kda-cp-h-in-after-update"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "mutations.py"), "--only", ids, "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    results = {r["id"]: r for r in data["results"]}
+    assert set(results) == set(ids.split(","))
+    static = results["kda-cp-merge-implicit-tf32"]
+    assert static["caught"] and static["localised"], static
+    assert static["caught_by"] == ["kda.static.dot_precision"]
+    assert "kda.cp.correctness" in static["selected"]
+    assert "target_stack/ops/kda/cp.py" in static["first_localisation"]
+    late = results["kda-cp-h-in-after-update"]
+    assert late["caught"] and late["localised"], late
+    assert "kda.cp.correctness" in late["caught_by"]
+    assert data["totals"]["caught"] == 2 and data["totals"]["localised"] == 2
+    assert "[1/2]" in proc.stdout and "[2/2]" in proc.stdout
