@@ -150,7 +150,7 @@ class ModelRunner:
         for i, cache in self.kv.items():
             out["kv"][i] = {name: t[pages].cpu() for name, t in cache.tensors().items()}
         for i, pool in self.states.items():
-            out["state"][i] = (pool.kda[seq.slot].cpu(), pool.conv[seq.slot].cpu())
+            out["state"][i] = (pool.kda[seq.slot].to("cpu", copy=True), pool.conv[seq.slot].to("cpu", copy=True))
         return out
 
     def swap_in(self, seq: Sequence, saved: dict) -> None:
