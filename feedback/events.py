@@ -9,12 +9,16 @@ Events go to the file named by ``INFRA_AGENT_EVENTS`` (set by the probe that wan
 object a line with a monotonic timestamp, the process and the thread.  Without the variable,
 ``emit`` is a no-op costing one dictionary lookup.
 
+With ``INFRA_AGENT_GIL_SAMPLE_S`` also set, every emitting process runs a GIL sampler thread, and
+:func:`gil_blocked` tells from its ticks which native calls kept every other Python thread out.
+
 :class:`Heartbeat` runs a Python thread that wakes every ``interval_s`` and records how late it
 woke: a thread kept from running by another holding the GIL shows as long gaps.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -25,8 +29,11 @@ from typing import Any
 from pydantic import BaseModel
 
 ENV_VAR = "INFRA_AGENT_EVENTS"
+#: seconds between the GIL sampler's ticks; set (with ``ENV_VAR``) to start one in every process that emits
+SAMPLE_VAR = "INFRA_AGENT_GIL_SAMPLE_S"
 _lock = threading.Lock()
 _files: dict[str, Any] = {}
+_sampler_pid: int | None = None  # the process whose sampler runs (a forked child starts its own)
 
 
 def emit(name: str, **fields: Any) -> None:
@@ -34,6 +41,8 @@ def emit(name: str, **fields: Any) -> None:
     path = os.environ.get(ENV_VAR)
     if not path:
         return
+    if _sampler_pid != os.getpid() and os.environ.get(SAMPLE_VAR):
+        _start_sampler(float(os.environ[SAMPLE_VAR]))
     record = {"t": time.monotonic(), "event": name, "pid": os.getpid(),
               "thread": threading.current_thread().name, **fields}
     line = json.dumps(record, default=str) + "\n"
@@ -42,6 +51,58 @@ def emit(name: str, **fields: Any) -> None:
         if f is None:
             f = _files[path] = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
         f.write(line)
+
+
+def _start_sampler(interval_s: float) -> None:
+    """A daemon thread that wakes every ``interval_s`` and notes the time, which it can only read holding
+    the GIL; its ticks go out as ``gil.ticks`` events in batches.  A span of another thread (a native
+    call between ``X.enter`` and ``X.exit``) with no tick inside is one during which no other Python
+    thread could run: see :func:`gil_blocked`."""
+    global _sampler_pid
+    with _lock:
+        if _sampler_pid == os.getpid():
+            return
+        _sampler_pid = os.getpid()
+
+    def run() -> None:
+        ticks: list[float] = []
+        flushed = time.monotonic()
+        while True:
+            time.sleep(interval_s)
+            now = time.monotonic()
+            ticks.append(now)
+            if now - flushed > 0.05:
+                emit("gil.ticks", ticks=ticks)
+                ticks, flushed = [], now
+
+    threading.Thread(target=run, name="gil-sampler", daemon=True).start()
+
+
+def gil_blocked(events: list[dict], start: str = "dispatch.enter", end: str = "dispatch.exit") -> list[float]:
+    """For every ``start``/``end`` span (paired within one thread of one process), the fraction of it
+    that the process's GIL sampler could not run: its longest stretch without a tick over its length.
+    Near 1 for a call that keeps the GIL, near 0 for one that releases it (with a sampler interval well
+    below the span).  Spans in processes without a sampler, or after its last batch, are left out."""
+    ticks: dict[int, list[float]] = {}
+    for e in events:
+        if e["event"] == "gil.ticks":
+            ticks.setdefault(e["pid"], []).extend(e["ticks"])
+    for ts in ticks.values():
+        ts.sort()
+    out, open_ = [], {}
+    for e in sorted(events, key=lambda e: e["t"]):
+        key = (e.get("pid"), e.get("thread"))
+        if e["event"] == start:
+            open_[key] = e["t"]
+        elif e["event"] == end and key in open_ and e.get("pid") in ticks:
+            t0, t1 = open_.pop(key), e["t"]
+            ts = ticks[e["pid"]]
+            if t1 <= t0 or t1 > ts[-1]:  # after the last batch the sampler wrote: not observed
+                continue
+            lo, hi = bisect.bisect_right(ts, t0), bisect.bisect_left(ts, t1)
+            edges = [t0, *ts[lo:hi], t1]
+            out.append(max(b - a for a, b in zip(edges, edges[1:], strict=False)) / (t1 - t0))
+    return out
 
 
 def read_events(path: str | os.PathLike) -> list[dict]:

@@ -165,6 +165,7 @@ ctx = ProbeContext("engine.kv_transfer.events", json.loads(sys.argv[1]), ".")
 kv_transfer_events(ctx)
 import target_stack
 print(json.dumps({"ratio": ctx.metrics["transfer_stall_ratio"].value, "module": target_stack.__file__,
+                  "blocked": ctx.metrics["gil_blocked_fraction"].value,
                   "findings": [f.message for f in ctx.findings]}))
 """
 
@@ -178,8 +179,11 @@ def _stall_ratio(root: pathlib.Path, params: dict) -> dict:
 
 
 def test_the_events_probe_separates_a_gil_holding_dispatch_from_a_releasing_one():
-    """The dense signal for the gil-hold scenario: in the patched tree a KV-transfer stage waits
-    about as long as a layer's native MoE calls; in this tree it moves beside them."""
+    """The dense signal for the gil-hold scenario: in the patched tree no other Python thread runs
+    during a native MoE call (the GIL sampler sits out all of it) and the probe says so; in this tree
+    the sampler runs through the calls and KV-transfer stages move beside them.  The held tree's stage
+    waits are reported but not asserted: whether a stage is still in flight when the call starts is a
+    race a busy two-core machine sometimes loses (0.16x once in CI)."""
     from target_stack.bench.serve import _scenario_copy
 
     manifest = yaml.safe_load((ROOT / "target_stack/infra-agent.yaml").read_text())
@@ -191,6 +195,8 @@ def test_the_events_probe_separates_a_gil_holding_dispatch_from_a_releasing_one(
     finally:
         shutil.rmtree(held_root, ignore_errors=True)
     assert held["module"].startswith(str(held_root))  # the probe ran the patched copy
-    assert released["ratio"] < params["max_stall_ratio"] < held["ratio"], (released, held)
-    assert held["findings"] and "GIL" in held["findings"][0]
+    assert released["ratio"] < params["max_stall_ratio"], (released, held)
+    assert released["blocked"] < 0.2 and held["blocked"] > 0.9, (released, held)
+    assert not released["findings"], released
+    assert held["findings"] and "keeps the GIL" in held["findings"][0], held
 

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from feedback.correctness import fresh_generator
-from feedback.events import read_events, spans
+from feedback.events import SAMPLE_VAR, gil_blocked, read_events, spans
 from feedback.probe import ProbeContext, probe
 
 from target_stack.engine import LLMEngine, SamplingParams
@@ -153,6 +153,7 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     fd, path = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
     os.environ["INFRA_AGENT_EVENTS"] = path  # inherited by the spawned workers
+    os.environ[SAMPLE_VAR] = str(p.get("gil_sample_s", 5e-4))  # and a GIL sampler in each of them
     model_cfg = {"preset": "tiny", **p.get("model", {})}
     cfg = dataclasses.replace(PRESETS["tiny"], **p.get("model", {}))  # the workers' config, no model built
     try:
@@ -165,6 +166,7 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
         events = read_events(path)
     finally:
         os.environ.pop("INFRA_AGENT_EVENTS", None)
+        os.environ.pop(SAMPLE_VAR, None)
         os.unlink(path)
     errors = [str(o) for o in result.outputs if isinstance(o, Exception)]
     ctx.check(not errors, f"{len(errors)} request(s) failed: {errors[:1]}", file=DISAGG)
@@ -189,6 +191,17 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     ratio = p90 / per_layer
     ctx.metric("stage_transfer_ms_p90", p90, "ms", better="lower")
     ctx.metric("transfer_stall_ratio", ratio, better="lower")
+    # the cause, read directly: how much of each native call the prefill worker's GIL sampler sat out.
+    # Unlike the stage waits it does not depend on whether a stage happened to be in flight
+    blocked = gil_blocked(events)
+    ctx.check(bool(blocked), "the prefill worker's GIL sampler observed none of the native calls", file=DISAGG)
+    if blocked:
+        frac = statistics.median(blocked)
+        ctx.metric("gil_blocked_fraction", frac, better="lower")
+        ctx.check(frac <= p.get("max_gil_blocked", 0.5),
+                  f"the native MoE dispatch keeps the GIL: no other Python thread ran during {frac:.0%} of a "
+                  f"call (median of {len(blocked)}), so the KV-transfer thread waits for it",
+                  file=NATIVE, symbol="library / ts_moe_dispatch_combine", condition="disaggregated prefill")
     ctx.check(ratio <= p["max_stall_ratio"],
               f"KV-transfer stages waited {p90:.1f} ms (p90), {ratio:.2f}x the native MoE time of a layer "
               f"({per_layer:.1f} ms): the transfer thread does not run beside the native dispatch "
