@@ -329,9 +329,11 @@ def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
     (root / "infra-agent.yaml").write_text(TOY_MANIFEST.replace('"toy.probes:value"', '"toy.probes:slow"')
                                            .replace("thresholds: {error: {max: 0.01}}", "budget_s: 120"))
     git.Repo(root).git.commit("-qam", "slow probe", author="t <t@t>")
+    # a suite started in the background (`cmd &` in a script, nohup) inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the session the disposition a terminal gives
     proc = subprocess.Popen([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(root), "--backend",
                              "offline"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env_without_keys())
+                            env=_env_without_keys(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid_file = root / ".infra-agent" / "probe.pid"
     deadline = time.time() + 60
     while not pid_file.exists() and time.time() < deadline:

@@ -30,6 +30,8 @@ NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 CP = "target_stack/ops/kda/cp.py"
+SCHEDULER = "target_stack/engine/scheduler.py"
+ENGINE = "target_stack/engine/engine.py"
 
 # name: (file, text, replacement)
 DEFECTS = {
@@ -77,6 +79,14 @@ DEFECTS = {
     "conv tail not transferred": (DISAGG, 'for name in ("kda", "conv"):', 'for name in ("kda",):'),
     "page copy to the source page": (DISAGG, "remote[dst].copy_(t[src])", "remote[src].copy_(t[src])"),
     "merge row of the wrong sequence": (CP, "row = (i_n * P + p) * H + i_h", "row = (i_n + p) * H + i_h"),
+    # outputs stay right with these (any victim resumes correctly; a stale slot is overwritten by luck)
+    "preempts the oldest": (SCHEDULER, "victim = self.running[-1]", "victim = self.running[0]"),
+    "stale slot after release": (
+        SCHEDULER, "            self.slots.give([seq.slot], seq.id)\n            seq.slot = 0",
+        "            self.slots.give([seq.slot], seq.id)"),
+    "cancelled request stays queued": (
+        ENGINE, "        self.scheduler.release(seq)\n        self.scheduler.remove_waiting(seq)",
+        "        self.scheduler.release(seq)"),
 }
 
 
@@ -184,6 +194,15 @@ def test_runner_and_kernel_condition_defects_are_caught_and_located(tmp_path):
     assert all("l2norm=True" in f.location.condition for f in rec.findings if f.location.condition)
     assert_caught(r["kda.chunk.correctness"], (CHUNK, "_kda_state_kernel"))
     assert_passed(r, "model.hybrid", "model.moe.native")
+
+
+def test_scheduler_defects_that_outputs_hide_break_its_promises(tmp_path):
+    r = _judge(tmp_path, ["preempts the oldest", "stale slot after release", "cancelled request stays queued"],
+               ["engine.scheduler"])
+    res = r["engine.scheduler"]
+    assert_caught(res, (SCHEDULER, "Scheduler.schedule"), (SCHEDULER, "Scheduler.release"), (ENGINE, "LLMEngine._finish"))
+    victim = [f.message for f in res.findings if f.location.symbol == "Scheduler.schedule"]
+    assert any("most recently admitted" in m for m in victim), victim
 
 
 @pytest.mark.slow
