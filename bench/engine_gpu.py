@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from target_stack.engine import LLMEngine, SamplingParams  # noqa: E402
-from target_stack.model.layers import MoE  # noqa: E402
-from target_stack.model.model import HybridModel  # noqa: E402
+from target_stack.engine import LLMEngine, SamplingParams
+from target_stack.model.layers import MoE
+from target_stack.model.model import HybridModel
 
 
 def check_tiny() -> dict:

@@ -8,20 +8,20 @@ variants, and splits the eager decode call into validation, allocation and launc
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import time
-import pathlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+import triton
+from triton.testing import do_bench
 
-import target_stack.ops.kda.chunk as C  # noqa: E402
-from target_stack.ops.kda import fused_recurrent_kda  # noqa: E402
-from target_stack.ops.kda.testing import make_inputs  # noqa: E402
-from target_stack.ops.utils import check_kda_inputs  # noqa: E402
+import target_stack.ops.kda.chunk as C
+from target_stack.ops.kda import fused_recurrent_kda
+from target_stack.ops.kda.testing import make_inputs
+from target_stack.ops.utils import check_kda_inputs
 
 
 def prefill(T=4096, H=16, K=128, V=128):
@@ -32,9 +32,9 @@ def prefill(T=4096, H=16, K=128, V=128):
     NT = seq.numel()
     BT, BK = 64, 128
     f32 = dict(dtype=torch.float32, device="cuda")
-    gc, w = torch.empty(1, T, H, K, **f32), torch.empty(1, T, H, K, **f32)
+    gc = torch.empty(1, T, H, K, **f32)
     Akk = torch.empty(1, T, H, BT, **f32)
-    u, Pqk = torch.empty(1, T, H, V, **f32), torch.empty(1, T, H, BT, **f32)
+    Pqk = torch.empty(1, T, H, BT, **f32)
     h, v_new = torch.empty(NT, H, K, V, **f32), torch.empty(1, T, H, V, **f32)
     ht = torch.empty(1, H, K, V, **f32)
     o = torch.empty_like(v)
@@ -54,7 +54,8 @@ def prefill(T=4096, H=16, K=128, V=128):
                     q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
                     LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
     kd = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda")
-    wb, ub = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda"), torch.empty(1, T, H, V, dtype=torch.bfloat16, device="cuda")
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    wb, ub = torch.empty(1, T, H, K, **bf16), torch.empty(1, T, H, V, **bf16)
     for nw in (4, 8):
         for lowp in (True,):
             for BV in (32, 64):
@@ -64,7 +65,8 @@ def prefill(T=4096, H=16, K=128, V=128):
     for BV in (32, 64):
         for nw in (4, 8):
             for stages in (1, 2, 3):
-                timed(f"state  BV={BV} warps={nw} stages={stages}", lambda: C._kda_state_kernel[(triton.cdiv(V, BV), 1, H)](
+                grid = (triton.cdiv(V, BV), 1, H)
+                timed(f"state  BV={BV} warps={nw} stages={stages}", lambda: C._kda_state_kernel[grid](
                     kd, gc, wb, ub, v_new, h, None, ht, cu, offs, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
                     USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, LOWP=True, DOT_PRECISION="tf32x3",
                     num_warps=nw, num_stages=stages))
@@ -94,7 +96,9 @@ def decode_overhead(N=1, H=32, K=128, V=128):
         return (time.perf_counter() - t0) / n * 1e6
 
     print(f"decode wrapper, batch {N}")
-    print(f"  full call        {per_call(lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)):6.1f} us")
+    full = per_call(lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots,
+                                                use_qk_l2norm_in_kernel=True))
+    print(f"  full call        {full:6.1f} us")
     print(f"  check_kda_inputs {per_call(lambda: check_kda_inputs(q, k, v, g, beta, pool, state_batch=-1)):6.1f} us")
     print(f"  5x contiguous    {per_call(lambda: [x.contiguous() for x in (q, k, v, g, beta)]):6.1f} us")
     print(f"  empty_like       {per_call(lambda: torch.empty_like(v)):6.1f} us")
@@ -116,7 +120,9 @@ def decode_overhead(N=1, H=32, K=128, V=128):
     compiled, tail, _ = next(iter(FR._launch.compiled.values()))
     flat = list(args) + list(tail)
     stream = torch.cuda.current_stream().cuda_stream
-    print(f"  compiled.run     {per_call(lambda: compiled.run(4, N, H, stream, compiled.function, compiled.packed_metadata, None, None, None, *flat)):6.1f} us")
+    run = per_call(lambda: compiled.run(4, N, H, stream, compiled.function, compiled.packed_metadata, None, None,
+                                        None, *flat))
+    print(f"  compiled.run     {run:6.1f} us")
 
 
 if __name__ == "__main__":

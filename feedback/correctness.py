@@ -34,7 +34,8 @@ def rel_err(out: Any, ref: Any) -> float:
     return (o - r).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def compare_sweep(fn: Callable[..., Any], ref: Callable[..., Any], make_inputs: Callable[[dict, torch.Generator], tuple],
+def compare_sweep(fn: Callable[..., Any], ref: Callable[..., Any],
+                  make_inputs: Callable[[dict, torch.Generator], tuple],
                   cases: Iterable[dict], seed: int | None = None, device: str = "cpu") -> list[tuple[dict, float]]:
     """fn(*inputs) against ref(*inputs) for every case of a shape sweep; fresh inputs per case.
 

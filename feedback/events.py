@@ -1,16 +1,16 @@
-"""Runtime events: a tiny API the target calls, written as JSONL; and a thread-starvation monitor.
+"""Runtime events, the harness's side: the format a target writes, and what a probe reads from it.
 
-Target side::
+The target writes its own events (a few lines of code; ``target_stack.events`` is one): to
+the file named by ``INFRA_AGENT_EVENTS`` (set by the probe that wants them), one JSON object a line,
 
-    from feedback.events import emit
-    emit("kv_transfer.start", request=rid, bytes=n)
+    {"t": <time.monotonic()>, "event": "kv_transfer.start", "pid": <pid>, "thread": "<thread name>", ...}
 
-Events go to the file named by ``INFRA_AGENT_EVENTS`` (set by the probe that wants them), one JSON
-object a line with a monotonic timestamp, the process and the thread.  Without the variable,
-``emit`` is a no-op costing one dictionary lookup.
-
-With ``INFRA_AGENT_GIL_SAMPLE_S`` also set, every emitting process runs a GIL sampler thread, and
-:func:`gil_blocked` tells from its ticks which native calls kept every other Python thread out.
+appending, nothing written when the variable is unset.  Spans are ``X.start``/``X.done`` or
+``X.enter``/``X.exit`` pairs (see :func:`spans`).  With ``INFRA_AGENT_GIL_SAMPLE_S`` also set, each
+writing process runs a sampler thread that wakes every that many seconds and notes
+``time.monotonic()``, which it can only read holding the GIL, writing its ticks in batches as
+``{"event": "gil.ticks", "ticks": [...]}``; :func:`gil_blocked` tells from them which native calls
+kept every other Python thread out.
 
 :class:`Heartbeat` runs a Python thread that wakes every ``interval_s`` and records how late it
 woke: a thread kept from running by another holding the GIL shows as long gaps.
@@ -24,58 +24,12 @@ import os
 import statistics
 import threading
 import time
-from typing import Any
 
 from pydantic import BaseModel
 
 ENV_VAR = "INFRA_AGENT_EVENTS"
-#: seconds between the GIL sampler's ticks; set (with ``ENV_VAR``) to start one in every process that emits
+#: seconds between the GIL sampler's ticks; set (with ``ENV_VAR``) to start one in every process that writes
 SAMPLE_VAR = "INFRA_AGENT_GIL_SAMPLE_S"
-_lock = threading.Lock()
-_files: dict[str, Any] = {}
-_sampler_pid: int | None = None  # the process whose sampler runs (a forked child starts its own)
-
-
-def emit(name: str, **fields: Any) -> None:
-    """Record one event (no-op unless ``INFRA_AGENT_EVENTS`` names a file)."""
-    path = os.environ.get(ENV_VAR)
-    if not path:
-        return
-    if _sampler_pid != os.getpid() and os.environ.get(SAMPLE_VAR):
-        _start_sampler(float(os.environ[SAMPLE_VAR]))
-    record = {"t": time.monotonic(), "event": name, "pid": os.getpid(),
-              "thread": threading.current_thread().name, **fields}
-    line = json.dumps(record, default=str) + "\n"
-    with _lock:
-        f = _files.get(path)
-        if f is None:
-            f = _files[path] = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
-        f.write(line)
-
-
-def _start_sampler(interval_s: float) -> None:
-    """A daemon thread that wakes every ``interval_s`` and notes the time, which it can only read holding
-    the GIL; its ticks go out as ``gil.ticks`` events in batches.  A span of another thread (a native
-    call between ``X.enter`` and ``X.exit``) with no tick inside is one during which no other Python
-    thread could run: see :func:`gil_blocked`."""
-    global _sampler_pid
-    with _lock:
-        if _sampler_pid == os.getpid():
-            return
-        _sampler_pid = os.getpid()
-
-    def run() -> None:
-        ticks: list[float] = []
-        flushed = time.monotonic()
-        while True:
-            time.sleep(interval_s)
-            now = time.monotonic()
-            ticks.append(now)
-            if now - flushed > 0.05:
-                emit("gil.ticks", ticks=ticks)
-                ticks, flushed = [], now
-
-    threading.Thread(target=run, name="gil-sampler", daemon=True).start()
 
 
 def gil_blocked(events: list[dict], start: str = "dispatch.enter", end: str = "dispatch.exit") -> list[float]:

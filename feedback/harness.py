@@ -12,6 +12,7 @@ from feedback.models import FeedbackReport, ProbeResult, Status
 from feedback.report import content_hashes, localise
 from feedback.runner import Runner
 from feedback.select import order, select, stages
+from feedback.state import StateDir
 from feedback.verdict import compare, evaluate_acceptance, verdict
 
 
@@ -60,7 +61,7 @@ def judge(
         selection = f"{len(specs)} of {len(manifest.probes)} probes cover the {len(changed)} changed file(s)"
     else:
         specs, selection = order(list(manifest.probes)), "all probes"
-    cache_dir = pathlib.Path(cache_dir) if cache_dir else tree / ".infra-agent" / "cache"
+    cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(tree).cache
     runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env)
     base_runner = None
     if baseline_tree is not None:

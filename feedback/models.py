@@ -61,7 +61,8 @@ class Location(_Model):
     def render(self) -> str:
         parts = []
         if self.file:
-            parts.append(f"cover {self.file}" + (f" {self.kernel or self.symbol}" if (self.kernel or self.symbol) else ""))
+            what = self.kernel or self.symbol
+            parts.append(f"cover {self.file}" + (f" {what}" if what else ""))
         elif self.kernel or self.symbol:
             parts.append(f"in {self.kernel or self.symbol}")
         if self.param:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
+from feedback.state import StateDir
 from feedback.verdict import combine_runs, repeats_for
 
 TAIL = 4000  # characters of stdout/stderr kept in a result
@@ -80,7 +81,7 @@ class Runner:
         self.use_cache = use_cache
         self.emulate = emulate
         self.extra_env = dict(extra_env or {})
-        self.cache_dir = pathlib.Path(cache_dir) if cache_dir else self.tree / ".infra-agent" / "cache"
+        self.cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(self.tree).cache
         self.env_key = environment_key(emulate)
         self._live: set[subprocess.Popen] = set()
 

@@ -52,7 +52,7 @@ def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
     root = pathlib.Path(repo.working_tree_dir).resolve()
     sub = pathlib.Path(tree).resolve().relative_to(root)
     names = repo.git.diff("--name-only", rev, "--", str(sub) if str(sub) != "." else ".").splitlines()
-    names += repo.git.ls_files("--others", "--exclude-standard", "--", str(sub) if str(sub) != "." else ".").splitlines()
+    names += repo.git.ls_files("--others", "--exclude-standard", "--", str(sub)).splitlines()
     out = []
     for n in names:
         p = pathlib.Path(n)
@@ -61,6 +61,18 @@ def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
             out.append(str(rel))
     return out
 
+
+
+def changed_files(tree: str | pathlib.Path, since: str | None = None, diff: str | None = None) -> list[str] | None:
+    """What a change touched: the files changed since revision ``since``, or those a unified diff's
+    text touches; None when neither is given (no selection: every probe)."""
+    if since and diff is not None:
+        raise ValueError("a change is given by a revision or by a diff, not both")
+    if since:
+        return changed_since(tree, since)
+    if diff is not None:
+        return files_in_diff(diff)
+    return None
 
 def order(specs: list[ProbeSpec]) -> list[ProbeSpec]:
     """Cheapest first: by cascade stage, then by time budget."""

@@ -11,8 +11,10 @@ import tarfile
 import tempfile
 
 from feedback.manifest import MANIFEST_NAME
+from feedback.state import NAME as STATE_NAME
+from feedback.state import StateDir
 
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", ".infra-agent")
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", STATE_NAME)
 
 
 def bundled_package_dir() -> pathlib.Path:
@@ -47,7 +49,7 @@ def materialize_bundled(dest: str | pathlib.Path) -> pathlib.Path:
 def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
     """A scratch copy of the bundled target for judging, reused while its sources are unchanged."""
     pkg = bundled_package_dir()
-    base = pathlib.Path(base) if base else pathlib.Path.cwd() / ".infra-agent" / "bundled"
+    base = pathlib.Path(base) if base else StateDir.of().bundled
     dest = base / _digest(pkg)
     if not (dest / MANIFEST_NAME).is_file():
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=".partial-", dir=base.mkdir(parents=True, exist_ok=True) or base))

@@ -33,9 +33,18 @@ import math
 import random
 import statistics
 from collections.abc import Sequence
+
 from feedback.manifest import Criterion, Manifest
-from feedback.models import (CriterionResult, FeedbackReport, Metric, MetricDelta, ProbeComparison, ProbeResult,
-                             Status, Verdict)
+from feedback.models import (
+    CriterionResult,
+    FeedbackReport,
+    Metric,
+    MetricDelta,
+    ProbeComparison,
+    ProbeResult,
+    Status,
+    Verdict,
+)
 
 PERFORMANCE_KINDS = ("microbench", "e2e")
 STATUS_KINDS = ("static", "correctness", "trace", "events")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import sys
 
 import typer
 from rich.console import Console
@@ -39,21 +38,6 @@ def version() -> None:
     console.print(f"device {device}")
 
 
-@app.command()
-def demo(
-    tokens: int = typer.Option(256, "--tokens", "-t", min=16, help="sequence length of the CP demo"),
-    seed: int = typer.Option(0, help="seed of the random inputs"),
-) -> None:
-    """Run target_stack's KDA kernels against their float64 references, then show the tf32 CP bug.
-
-    On a CPU the kernels run in Triton's interpreter, where the tf32 merge bug only shows under
-    the numerics emulation (feedback.emulation).
-    """
-    from infra_agent.demo import run_demo
-
-    sys.exit(run_demo(console, tokens=tokens, seed=seed))
-
-
 manifest_app = typer.Typer(help="The target manifest (infra-agent.yaml): schema and validation.",
                             no_args_is_help=True)
 app.add_typer(manifest_app, name="manifest")
@@ -70,7 +54,9 @@ def manifest_schema() -> None:
 
 
 @manifest_app.command("check")
-def manifest_check(directory: str = typer.Argument(None, help="target root (default: the bundled target_stack)")) -> None:
+def manifest_check(
+    directory: str = typer.Argument(None, help="target root (default: the bundled target_stack)"),
+) -> None:
     """Validate a target's manifest without running anything."""
     from feedback.manifest import ManifestError, load_manifest
 
@@ -80,7 +66,8 @@ def manifest_check(directory: str = typer.Argument(None, help="target root (defa
     except ManifestError as exc:
         fail(str(exc))
     console.print(f"[green]ok[/] {root / 'infra-agent.yaml'}: {m.name}, {len(m.probes)} probes, "
-                  f"{len(m.acceptance)} acceptance criteria, {len(m.risk)} risk rules, {len(m.protected)} protected paths")
+                  f"{len(m.acceptance)} acceptance criteria, {len(m.risk)} risk rules, "
+                  f"{len(m.protected)} protected paths")
 
 
 def _target_root(directory: str | None):
@@ -115,23 +102,20 @@ def feedback(
     """
     import pathlib
 
-    from feedback.harness import UnknownProbe, judge, export_baseline
+    from feedback.harness import UnknownProbe, export_baseline, judge
     from feedback.manifest import ManifestError, load_manifest
-    from feedback.select import DiffError, changed_since, files_in_diff
+    from feedback.select import DiffError, changed_files
+    from feedback.state import StateDir
 
     if changed_from and diff:
         fail("--changed-from and --diff are alternatives: give one")
+    if diff and not pathlib.Path(diff).is_file():
+        fail(f"--diff {diff}: no such file")
     root = _target_root(target)
     try:
         manifest = load_manifest(root)
-        changed = None
-        if changed_from:
-            changed = changed_since(root, changed_from)
-        elif diff:
-            diff_path = pathlib.Path(diff)
-            if not diff_path.is_file():
-                fail(f"--diff {diff}: no such file")
-            changed = files_in_diff(diff_path.read_text(errors="replace"))
+        changed = changed_files(root, since=changed_from,
+                                diff=pathlib.Path(diff).read_text(errors="replace") if diff else None)
         base_rev = baseline or changed_from
         keep = None
         base_tree = None
@@ -141,7 +125,7 @@ def feedback(
         report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
                                     run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
                                     jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
-                                    quiet=as_json, cache_dir=root / ".infra-agent" / "cache")
+                                    quiet=as_json, cache_dir=StateDir.of(root).cache)
         if keep is not None:
             keep.cleanup()
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
@@ -264,12 +248,10 @@ app.add_typer(review_app, name="review")
 
 
 def _queue(target: str | None):
-    import pathlib
-
+    from feedback.state import StateDir
     from infra_agent.review import ReviewQueue
 
-    base = pathlib.Path(target).resolve() if target else pathlib.Path.cwd()
-    return ReviewQueue(base / ".infra-agent" / "review.db")
+    return ReviewQueue(StateDir.of(target).review_db)
 
 
 def _render_item(item, full: bool = True) -> None:
@@ -304,28 +286,17 @@ def _render_item(item, full: bool = True) -> None:
 
 def _settle(target, item_id: int, decision: str, reviewer: str | None, comment=None, reason=None,
             as_json=False, jobs: int = 2) -> None:
-    from infra_agent.review import AlreadySettled, UnknownItem, apply_approved, reviewer_name
+    from infra_agent.review import AlreadySettled, UnknownItem, settle
 
-    q = _queue(target)
+    if decision == "approved" and not as_json:
+        console.print(f"approving item {item_id}: merging into its session branch and re-validating ...")
     try:
-        item = q.settle(item_id, decision, reviewer_name(reviewer), comment=comment, reason=reason)
+        item, warnings = settle(_queue(target), item_id, decision, reviewer, comment=comment, reason=reason,
+                                jobs=jobs)
     except (AlreadySettled, UnknownItem, ValueError) as exc:
         fail(str(exc).strip("'\""))
-    if decision == "approved":
-        if not as_json:
-            console.print(f"approved item {item_id}; merging into {item.session_branch} and re-validating ...")
-        item = apply_approved(q, item, jobs=jobs)
-    if item.experiment:
-        import pathlib
-
-        from infra_agent.experiments import RecordError, settle_record
-
-        try:
-            settle_record(pathlib.Path(item.experiment), decision, item.settled_by,
-                          (item.comment or "") if decision == "approved" else (item.reason or ""),
-                          commit=item.applied_commit)
-        except (RecordError, OSError) as exc:
-            err_console.print(f"[yellow]warning:[/] the experiment record was not updated: {exc}", soft_wrap=True)
+    for w in warnings:
+        err_console.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
     if as_json:
         print(item.model_dump_json(indent=2))
     else:
@@ -497,17 +468,15 @@ def run(
     review); 1: probes still fail; 2: usage error; 130: interrupted (everything so far is kept).
     """
     import json
-    import os
     import pathlib
 
     from infra_agent.agent import Agent, Limits
-    from infra_agent.session import make_backend, print_event, summarise
+    from infra_agent.session import BACKENDS, default_backend, make_backend, print_event, summarise
     from infra_agent.workspace import GitWorkspace, new_session_id
 
-    if backend is None:
-        backend = "openai" if (os.environ.get("ZAI_API_KEY") or os.environ.get("OPENAI_API_KEY")) else "offline"
-    if backend not in ("offline", "openai", "replay"):
-        fail(f"--backend must be offline, openai or replay, got {backend!r}")
+    backend = backend or default_backend()
+    if backend not in BACKENDS:
+        fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     session = new_session_id()
     try:
         if target and scenario:
@@ -586,26 +555,13 @@ def sessions_clean(target: str = typer.Option(None, "--target"),
                    keep_branches: bool = typer.Option(False, help="keep the session branches")) -> None:
     """Remove session folders and worktrees (and their branches unless --keep-branches)."""
     import pathlib
-    import shutil
 
-    import git
+    from infra_agent.workspace import list_sessions, remove_session
 
-    from infra_agent.workspace import list_sessions
-
-    n = 0
-    for s in list_sessions(pathlib.Path(target) if target else None):
-        shutil.rmtree(s["dir"], ignore_errors=True)
-        try:  # an external target's repository keeps worktree records and the session branches
-            repo = git.Repo(s["repo"])
-            repo.git.worktree("prune")
-            if not keep_branches:
-                for head in list(repo.heads):
-                    if head.name == s["branch"] or head.name.startswith(s["branch"] + "-"):
-                        repo.delete_head(head, force=True)
-        except Exception:  # noqa: BLE001 - the bundled target's repository went with its folder
-            pass
-        n += 1
-    console.print(f"removed {n} session(s)")
+    sessions = list_sessions(pathlib.Path(target) if target else None)
+    for s in sessions:
+        remove_session(s, keep_branches=keep_branches)
+    console.print(f"removed {len(sessions)} session(s)")
 
 
 def main() -> None:  # pragma: no cover - console script entry point

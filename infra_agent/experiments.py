@@ -15,7 +15,7 @@ import os
 import pathlib
 import subprocess
 import tempfile
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from xml.sax.saxutils import escape
 
 import yaml
@@ -23,6 +23,10 @@ from pydantic import BaseModel, Field, ValidationError
 
 from feedback.models import ProbeResult
 from feedback.verdict import replay_regressions
+
+if TYPE_CHECKING:
+    from infra_agent import Workspace
+    from infra_agent.agent import Attempt
 
 SCHEMA_VERSION = 1
 
@@ -71,6 +75,7 @@ class ExperimentRecord(BaseModel):
     decision: Decision
     backend: str
     model: str | None = None
+    # the session's trajectory, relative to the state folder (.infra-agent/) of the machine that ran it
     trajectory: str | None = None
 
 
@@ -128,6 +133,30 @@ def load_record(path: str | pathlib.Path) -> ExperimentRecord:
         raise RecordError(f"{path}: not a valid experiment record: {str(exc).splitlines()[0]}") from exc
 
 
+_DECISIONS = {"accepted": "accepted", "held": "held", "discarded": "discarded"}
+
+
+def attempt_record(attempt: Attempt, ws: Workspace, base_commit: str, backend: str, model: str | None,
+                   trajectory: pathlib.Path) -> ExperimentRecord:
+    """The record of one attempt of a session, failures included: what the workspace can rebuild as
+    its base, the patch, what judged it and what was decided."""
+    kinds = {p.id: p.kind for p in ws.manifest().probes}
+    report = attempt.report
+    status = _DECISIONS.get(attempt.decision, "refused" if attempt.verdict == "refused" else "failed")
+    return ExperimentRecord(
+        id=new_id(ws.session, attempt.step), time=now(), target=ws.target_label, scenario=ws.scenario,
+        base=Base(**ws.base_spec(base_commit)), hypothesis=attempt.hypothesis, playbook=attempt.playbook,
+        diff=attempt.diff, risk=attempt.risk,
+        probes=[ProbeRecord(id=r.probe, kind=kinds.get(r.probe, "?"),
+                            result=r.model_copy(update={"stdout": "", "stderr": r.stderr[-1000:]}))
+                for r in (report.results if report else [])],
+        acceptance=[c.model_dump() for c in (report.acceptance if report else [])],
+        verdict=attempt.verdict,
+        decision=Decision(status=status, reason=attempt.reason, review_item=attempt.review_id,
+                          commit=attempt.commit, branch=attempt.branch),
+        backend=backend, model=model, trajectory=ws.state.relative(trajectory))
+
+
 def new_id(session: str, step: int) -> str:
     return f"exp-{session}-{step:03d}"
 
@@ -170,7 +199,7 @@ def rebuild_base(base: Base, dest: pathlib.Path) -> pathlib.Path:
         raise RecordError(f"the base repository {base.repo} is gone")
     try:
         return export_revision(base.repo, base.commit or "HEAD", dest)
-    except Exception as exc:  # noqa: BLE001 - any failure to rebuild makes the record stale
+    except Exception as exc:
         raise RecordError(f"cannot rebuild the base {base.repo}@{base.commit}: {exc}") from exc
 
 

@@ -8,12 +8,20 @@ the second gets a clear message naming who settled the item and when.
 from __future__ import annotations
 
 import datetime as _dt
+import getpass
 import json
 import pathlib
 import sqlite3
+import tempfile
 from typing import Any
 
+import git
 from pydantic import BaseModel, Field
+
+from feedback.harness import judge
+from feedback.manifest import load_manifest
+from infra_agent.experiments import RecordError, settle_record
+from infra_agent.workspace import ACTOR
 
 STATES = ("pending", "approved", "rejected", "applied")
 
@@ -164,7 +172,7 @@ class ReviewQueue:
             raise ValueError(f"cannot update {sorted(bad)}")
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._connect() as db:
-            db.execute(f"UPDATE items SET {sets} WHERE id = ?", (*fields.values(), item_id))  # noqa: S608
+            db.execute(f"UPDATE items SET {sets} WHERE id = ?", (*fields.values(), item_id))
         return self.get(item_id)
 
     def rejections(self, target: str) -> list[Item]:
@@ -175,15 +183,11 @@ def reviewer_name(explicit: str | None = None) -> str:
     if explicit:
         return explicit
     try:
-        import git
-
         name = git.GitConfigParser(read_only=True).get_value("user", "name", "")
         if name:
             return str(name)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no readable git configuration: the login name
         pass
-    import getpass
-
     return getpass.getuser()
 
 
@@ -191,14 +195,6 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
     """Merge an approved candidate into its session branch, re-run its validation probes on the merged
     tree, and only then advance the branch (state ``applied``).  A failure is reported and the merge
     is undone: the branch does not move."""
-    import tempfile
-
-    import git
-
-    from feedback.harness import judge
-    from feedback.manifest import load_manifest
-    from infra_agent.workspace import ACTOR
-
     if item.state != "approved":
         raise ValueError(f"item {item.id} is {item.state}, not approved")
     repo = git.Repo(item.repo)
@@ -227,3 +223,22 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
                                 note=f"merged and validated ({len(probes)} probes)")
         finally:
             repo.git.worktree("remove", "--force", str(wt))
+
+
+def settle(queue: ReviewQueue, item_id: int, decision: str, reviewer: str | None = None, *,
+           comment: str | None = None, reason: str | None = None, jobs: int = 2) -> tuple[Item, list[str]]:
+    """A reviewer's decision, carried everywhere it belongs: the queue; for an approval the merge into
+    the session branch and its re-validation (``apply_approved``); the attempt's experiment record.
+    Returns the item and warnings (a record that could not be updated does not undo the decision).
+    Raises :class:`UnknownItem`, :class:`AlreadySettled` or ``ValueError`` for a decision that cannot be made."""
+    item = queue.settle(item_id, decision, reviewer_name(reviewer), comment=comment, reason=reason)
+    if decision == "approved":
+        item = apply_approved(queue, item, jobs=jobs)
+    warnings = []
+    if item.experiment:
+        why = (item.comment or "") if decision == "approved" else (item.reason or "")
+        try:
+            settle_record(pathlib.Path(item.experiment), decision, item.settled_by, why, commit=item.applied_commit)
+        except (RecordError, OSError) as exc:
+            warnings.append(f"the experiment record was not updated: {exc}")
+    return item, warnings

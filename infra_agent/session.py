@@ -8,10 +8,21 @@ from rich.console import Console
 from rich.table import Table
 
 from infra_agent.agent import Agent
+from infra_agent.trajectory import KEY_VARS
+
+BACKENDS = ("offline", "openai", "replay")
 
 
-def make_backend(kind: str, workspace, *, model: str | None = None, base_url: str | None = None,
+def default_backend() -> str:
+    """openai when an API key is set, else the offline playbook policy (no key, no network)."""
+    return "openai" if any(os.environ.get(v) for v in KEY_VARS) else "offline"
+
+
+def make_backend(kind: str | None, workspace, *, model: str | None = None, base_url: str | None = None,
                  trajectory: str | None = None):
+    """The backend named ``kind`` (None: :func:`default_backend`); ``ValueError`` for an unknown one or
+    missing arguments.  Each backend is imported only when chosen (the openai SDK is not needed offline)."""
+    kind = kind or default_backend()
     if kind == "offline":
         from infra_agent.backends.offline import OfflineBackend
 
@@ -26,7 +37,7 @@ def make_backend(kind: str, workspace, *, model: str | None = None, base_url: st
         if not trajectory:
             raise ValueError("--backend replay needs --trajectory FILE (a trajectory.jsonl of an earlier session)")
         return ReplayBackend(trajectory)
-    raise ValueError(f"unknown backend {kind!r}")
+    raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
 
 
 def print_event(console: Console):
@@ -90,7 +101,7 @@ def summarise(agent: Agent) -> dict:
         "rejected": sum(a["decision"] in ("discarded", "refused") for a in attempts),
         "trajectory": str(agent.trajectory.path),
         "exit_code": 0 if agent.outcome == "finished" and not unaddressed else 1,
-        "api_key_env": [v for v in ("ZAI_API_KEY", "OPENAI_API_KEY") if os.environ.get(v)],
+        "api_key_env": [v for v in KEY_VARS if os.environ.get(v)],
     }
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import git
 
 from feedback.manifest import MANIFEST_NAME, Manifest, load_manifest
+from feedback.state import NAME as STATE_NAME
+from feedback.state import StateDir
 from feedback.targets import materialize_bundled
 
 ACTOR = git.Actor("infra-agent", "infra-agent@localhost")
@@ -39,13 +41,14 @@ class Candidate:
 
 
 class GitWorkspace:
-    def __init__(self, repo_dir: pathlib.Path, session: str, state_dir: pathlib.Path, target_label: str):
+    def __init__(self, repo_dir: pathlib.Path, session: str, state: StateDir, target_label: str):
         self.repo = git.Repo(repo_dir)
         self.session = session
-        self.state_dir = state_dir
+        self.state = state
+        self.state_dir = state.session(session)
         self.target_label = target_label
         self.branch = f"infra-agent/{session}"
-        self.worktrees = state_dir / "worktrees"
+        self.worktrees = self.state_dir / "worktrees"
         self.worktrees.mkdir(parents=True, exist_ok=True)
         if self.branch not in [h.name for h in self.repo.heads]:
             self.repo.create_head(self.branch, self.repo.head.commit)
@@ -56,13 +59,14 @@ class GitWorkspace:
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def bundled(cls, session: str, base: pathlib.Path | None = None, scenario: str | None = None) -> GitWorkspace:
-        """A scratch repository of the bundled target; a scenario's patch is committed on top."""
-        state = (base or pathlib.Path.cwd() / ".infra-agent" / "workspaces") / session
-        repo_dir = state / "repo"
+    def bundled(cls, session: str, state: StateDir | None = None, scenario: str | None = None) -> GitWorkspace:
+        """A scratch repository of the bundled target (in the state folder of the current directory
+        unless ``state`` names another); a scenario's patch is committed on top."""
+        state = state or StateDir.of()
+        repo_dir = state.session(session) / "repo"
         if not (repo_dir / ".git").exists():
             materialize_bundled(repo_dir)
-            (repo_dir / ".gitignore").write_text(".infra-agent/\n__pycache__/\n")
+            (repo_dir / ".gitignore").write_text(f"{STATE_NAME}/\n__pycache__/\n")
             repo = git.Repo.init(repo_dir, initial_branch="main")
             repo.git.add(A=True)
             repo.index.commit("target_stack as bundled with infra-agent", author=ACTOR, committer=ACTOR)
@@ -70,7 +74,7 @@ class GitWorkspace:
                 patch = repo_dir / "target_stack" / "scenarios" / f"{scenario}.patch"
                 if not patch.is_file():
                     known = sorted(p.stem for p in patch.parent.glob("*.patch"))
-                    shutil.rmtree(state, ignore_errors=True)
+                    shutil.rmtree(state.session(session), ignore_errors=True)
                     raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(known)}")
                 repo.git.apply("--recount", "--whitespace=nowarn", str(patch))
                 repo.git.add(A=True)
@@ -99,8 +103,7 @@ class GitWorkspace:
             raise ValueError(f"{target} is not the root of a git repository") from exc
         if not repo.head.is_valid():
             raise ValueError(f"{target} has no commits yet")
-        state = target / ".infra-agent" / "workspaces" / session
-        ws = cls(target, session, state, str(target))
+        ws = cls(target, session, StateDir.of(target), str(target))
         ws._write_meta()
         return ws
 
@@ -192,13 +195,10 @@ class GitWorkspace:
         self.repo.git.worktree("prune")
 
 
-def sessions_dir(target: pathlib.Path | None) -> pathlib.Path:
-    return (target.resolve() if target else pathlib.Path.cwd()) / ".infra-agent" / "workspaces"
-
-
 def list_sessions(target: pathlib.Path | None = None) -> list[dict]:
+    """The sessions in the state folder of ``target`` (default: the current directory), oldest first."""
     out = []
-    for meta in sorted(sessions_dir(target).glob("*/session.json")):
+    for meta in sorted(StateDir.of(target).workspaces.glob("*/session.json")):
         try:
             info = json.loads(meta.read_text())
         except json.JSONDecodeError:
@@ -212,3 +212,20 @@ def list_sessions(target: pathlib.Path | None = None) -> list[dict]:
         info["dir"] = str(meta.parent)
         out.append(info)
     return out
+
+
+def remove_session(info: dict, keep_branches: bool = False) -> None:
+    """Delete a session's folder (its worktrees and, for the bundled target, its scratch repository);
+    in an external target's repository also the worktree records and, unless ``keep_branches``, the
+    session branch and its candidate branches."""
+    shutil.rmtree(info["dir"], ignore_errors=True)
+    try:
+        repo = git.Repo(info["repo"])
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return  # the bundled target's repository went with its folder
+    repo.git.worktree("prune")
+    if not keep_branches:
+        for head in list(repo.heads):
+            if head.name == info["branch"] or head.name.startswith(info["branch"] + "-"):
+                repo.delete_head(head, force=True)
+

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from feedback.models import FeedbackReport
+from feedback.state import SKIP_PARTS
 
 LIBRARY = pathlib.Path(__file__).resolve().parent / "library"
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq}
@@ -167,7 +168,7 @@ def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
     for glob in pattern.paths:
         for path in sorted(tree.glob(glob)):
             rel = path.relative_to(tree)
-            if path in seen or not path.is_file() or {".git", ".infra-agent", "__pycache__"} & set(rel.parts):
+            if path in seen or not path.is_file() or SKIP_PARTS & set(rel.parts):
                 continue
             seen.add(path)
             try:

@@ -80,7 +80,7 @@ def make_handler(server: Server):
             self.end_headers()
             self.wfile.write(data)
 
-        def do_POST(self):  # noqa: N802 - http.server's naming
+        def do_POST(self):
             if self.path.rstrip("/") != "/v1/completions":
                 return self._send(404, _error(f"no route {self.path}; POST /v1/completions"))
             try:
@@ -91,7 +91,7 @@ def make_handler(server: Server):
                 return self._send(400, _error("the body must be a JSON object"))
             self._send(*server.complete(body))
 
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
                 return self._send(200, {"object": "list", "data": [{"id": server.model_name, "object": "model"}]})
             self._send(404, _error(f"no route {self.path}"))
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(args.preset, device=device, prefix_cache=args.prefix_cache)
     if args.http is not None:
-        httpd = ThreadingHTTPServer(("127.0.0.1", args.http), make_handler(Server(engine, f"target_stack-{args.preset}")))
+        handler = make_handler(Server(engine, f"target_stack-{args.preset}"))
+        httpd = ThreadingHTTPServer(("127.0.0.1", args.http), handler)
         print(f"serving target_stack-{args.preset} on http://127.0.0.1:{httpd.server_address[1]}/v1/completions",
               flush=True)
         try:

@@ -4,10 +4,10 @@ import os
 # before every kernel run so a kernel that skips work cannot pass on stale memory.
 os.environ.setdefault("TARGET_STACK_POISON", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-import target_stack.ops  # noqa: E402,F401  (decides TRITON_INTERPRET before triton is imported)
+import target_stack.ops  # noqa: F401  (decides TRITON_INTERPRET before triton is imported)
 
 
 @pytest.fixture

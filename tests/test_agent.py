@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import git
 import pytest
 
+from feedback.state import StateDir
 from feedback.targets import materialize_bundled
 from infra_agent.agent import Agent, Limits
 from infra_agent.backends.offline import OfflineBackend
@@ -40,7 +41,7 @@ class ScriptedServer:
             def log_message(self, *a):  # keep test output clean
                 pass
 
-            def do_POST(self):  # noqa: N802 - http.server API
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
                 status, payload = outer.script.pop(0) if outer.script else (200, _call("finish", summary="done"))
@@ -213,7 +214,7 @@ def test_openai_backend_drives_the_bundled_target(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-0123456789abcdef")
     monkeypatch.chdir(tmp_path)
     cp = "target_stack/ops/kda/cp.py"
-    ws = GitWorkspace.bundled("s2", base=tmp_path / "ws")
+    ws = GitWorkspace.bundled("s2", state=StateDir(tmp_path / "ws"))
     lines = (ws.root / cp).read_text().splitlines()
     no = next(i for i, ln in enumerate(lines, 1) if MERGE in ln)
     diff = (f"--- a/{cp}\n+++ b/{cp}\n@@ -{no},1 +{no},1 @@\n-{lines[no - 1]}\n"

@@ -26,7 +26,7 @@ RUNNER = "target_stack/engine/runner.py"
 TP = "target_stack/engine/tp.py"
 REPLAY = "target_stack/engine/replay_ssm.py"
 DISAGG = "target_stack/engine/disagg.py"
-NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
+NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 CP = "target_stack/ops/kda/cp.py"
@@ -200,7 +200,8 @@ def test_scheduler_defects_that_outputs_hide_break_its_promises(tmp_path):
     r = _judge(tmp_path, ["preempts the oldest", "stale slot after release", "cancelled request stays queued"],
                ["engine.scheduler"])
     res = r["engine.scheduler"]
-    assert_caught(res, (SCHEDULER, "Scheduler.schedule"), (SCHEDULER, "Scheduler.release"), (ENGINE, "LLMEngine._finish"))
+    assert_caught(res, (SCHEDULER, "Scheduler.schedule"), (SCHEDULER, "Scheduler.release"),
+                  (ENGINE, "LLMEngine._finish"))
     victim = [f.message for f in res.findings if f.location.symbol == "Scheduler.schedule"]
     assert any("most recently admitted" in m for m in victim), victim
 

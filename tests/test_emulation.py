@@ -55,8 +55,8 @@ def _chain_kernel(M, h, out, P, BK: tl.constexpr, PRECISION: tl.constexpr, DEFAU
     b_h = tl.load(h + o[:, None] * BK + o[None, :])
     for p in range(0, P):
         b_M = tl.load(M + p * BK * BK + o[:, None] * BK + o[None, :])
-        if DEFAULT:
-            b_h = tl.dot(b_M, b_h)  # Triton's default fp32 precision: tf32
+        if DEFAULT:  # noqa: SIM108 - the call without the keyword is the point: Triton's default, tf32
+            b_h = tl.dot(b_M, b_h)
         else:
             b_h = tl.dot(b_M, b_h, input_precision=PRECISION)
     tl.store(out + o[:, None] * BK + o[None, :], b_h)

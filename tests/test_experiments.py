@@ -57,7 +57,8 @@ def test_replay_passes_on_this_tree(tmp_path):
 
 def test_replay_catches_the_fix_reverted_in_the_tree(tmp_path):
     # the host side of the fix: merge precision resolved by policy; reverted here to a hard-coded tf32
-    bundle = _modified_bundle(tmp_path, 'precision = resolve_dot_precision(merge_precision, q.device, "merge_precision")',
+    bundle = _modified_bundle(tmp_path,
+                              'precision = resolve_dot_precision(merge_precision, q.device, "merge_precision")',
                               'precision = "tf32"')
     out = _replay_with(bundle, COMMITTED[0], tmp_path / "j.xml")
     assert out.returncode == 1, out.stdout + out.stderr

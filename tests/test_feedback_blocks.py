@@ -17,9 +17,10 @@ import torch
 
 from feedback.correctness import compare_sweep, error_growth, partitioned_vs_whole, rel_err
 from feedback.e2e import metrics_from_records, parse_output, run_benchmark
-from feedback.events import ENV_VAR, SAMPLE_VAR, Heartbeat, emit, gil_blocked, read_events, spans
+from feedback.events import ENV_VAR, SAMPLE_VAR, Heartbeat, gil_blocked, read_events, spans
 from feedback.microbench import ab_compare, roofline_check
 from feedback.trace import capture
+from target_stack.events import emit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -185,7 +186,7 @@ def test_heartbeat_shows_a_native_call_that_holds_the_gil():
 
 _SAMPLED = """
 import ctypes, ctypes.util, sys, time
-from feedback.events import emit
+from target_stack.events import emit
 lib = (ctypes.PyDLL if sys.argv[1] == "holds" else ctypes.CDLL)(ctypes.util.find_library("c"))
 lib.usleep.argtypes = [ctypes.c_uint]
 for _ in range(6):

@@ -93,7 +93,8 @@ probes:
   - {id: toy.skips, kind: microbench, entry: "toy.probes:skips", covers: {files: ["toy/core.py"]}}
   - {id: toy.located, kind: correctness, entry: "toy.probes:fails_with_location", covers: {files: ["toy/merge.py"]}}
   - {id: toy.garbage, kind: e2e, command: "echo this is not json", covers: {files: ["toy/serve.py"]}}
-  - {id: toy.cmd, kind: e2e, command: "echo '{\\"metrics\\": {\\"ttft_ms\\": 12.5}}'", covers: {files: ["toy/serve.py"]}}
+  - {id: toy.cmd, kind: e2e, command: "echo '{\\"metrics\\": {\\"ttft_ms\\": 12.5}}'",
+     covers: {files: ["toy/serve.py"]}}
 acceptance:
   - {name: precise, expr: "toy.ok.err <= 1e-6"}
   - {name: bad, expr: "toy.bad.err <= 1e-6"}
@@ -133,12 +134,14 @@ def test_bundled_manifest_is_valid_and_protects_what_judges(tmp_path):
 
 
 @pytest.mark.parametrize("mutation,expect", [
-    (lambda t: t.replace("budget_s: 30}", "budget_s: -5}", 1), ":5: probes[0].budget_s: Input should be greater than 0"),
+    (lambda t: t.replace("budget_s: 30}", "budget_s: -5}", 1),
+     ":5: probes[0].budget_s: Input should be greater than 0"),
     (lambda t: t.replace("kind: correctness\n    entry: \"toy.probes:ok\"", "kind: unit\n    entry: \"toy.probes:ok\""),
      ":7: probes[1].kind"),
     (lambda t: t.replace("name: toy", "name: toy\nbogus: 1"), ":4: bogus: Extra inputs are not permitted"),
     (lambda t: t.replace("probes:\n", "probes: [\n", 1), "not valid YAML"),
-    (lambda t: t.replace('entry: "toy.probes:raises"', 'entry: "toy.probes"'), "entry must look like module.path:function"),
+    (lambda t: t.replace('entry: "toy.probes:raises"', 'entry: "toy.probes"'),
+     "entry must look like module.path:function"),
     (lambda t: t.replace("toy.ok.err <= 1e-6", "toy.nothing.err <= 1e-6"), "names 'toy.nothing.err'"),
     (lambda t: t.replace("id: toy.bad", "id: toy.ok"), "duplicate probe id 'toy.ok'"),
 ])

@@ -96,7 +96,8 @@ def test_gate_cli_exit_codes_on_the_bundled_target(tmp_path):
     line = next(ln for ln in (tree / cp).read_text().splitlines() if "tl.dot(b_M" in ln)
     no = (tree / cp).read_text().splitlines().index(line) + 1
     held = tmp_path / "held.diff"
-    held.write_text(f"--- a/{cp}\n+++ b/{cp}\n@@ -{no},1 +{no},1 @@\n-{line}\n+{line.replace('MERGE_PRECISION', chr(39) + 'tf32' + chr(39))}\n")
+    tf32 = line.replace("MERGE_PRECISION", "'tf32'")
+    held.write_text(f"--- a/{cp}\n+++ b/{cp}\n@@ -{no},1 +{no},1 @@\n-{line}\n+{tf32}\n")
     clean = tmp_path / "clean.diff"
     readme_line = (tree / cp).read_text().splitlines()[0]
     clean.write_text(f"--- a/{cp}\n+++ b/{cp}\n@@ -1,1 +1,1 @@\n-{readme_line}\n+{readme_line} \n")

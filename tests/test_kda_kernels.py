@@ -121,7 +121,8 @@ def test_chunk_kda_bf16_inputs(gen):
 # --- fused recurrent -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("B,T,H,K,V,use_h0", [(3, 1, 2, 32, 48, True), (2, 19, 1, 16, 16, False), (1, 5, 4, 64, 32, True)])
+@pytest.mark.parametrize("B,T,H,K,V,use_h0",
+                         [(3, 1, 2, 32, 48, True), (2, 19, 1, 16, 16, False), (1, 5, 4, 64, 32, True)])
 def test_fused_recurrent_matches_reference(B, T, H, K, V, use_h0, gen):
     x = make_inputs(B, T, H, K, V, generator=gen, device=DEVICE)
     h0 = torch.randn(B, H, K, V, generator=gen).to(DEVICE) if use_h0 else None
@@ -236,9 +237,9 @@ def test_bad_input_is_a_clear_value_error(name, call):
 def _dot_calls(path: pathlib.Path):
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot":
-            if isinstance(node.func.value, ast.Name) and node.func.value.id == "tl":
-                yield node
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl"):
+            yield node
 
 
 def test_every_tl_dot_states_its_input_precision():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from feedback.events import Heartbeat
-from target_stack.engine import native
 from target_stack.model.layers import MoE
 from target_stack.ops.kda.testing import rel_err
+from target_stack.ops.moe import native
 
 
 def test_native_moe_equals_the_reference_and_is_cached(gen, tmp_path, monkeypatch):
@@ -63,7 +63,8 @@ def test_the_native_call_releases_the_gil_and_a_pydll_load_would_not(gen):
     held.restype, held.argtypes = ctypes.c_int, [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 7
     out = torch.empty(256, 256)
     E, H, D = weights[0].shape
-    args = [256, D, H, E, 2] + [ctypes.c_void_p(t.data_ptr()) for t in (x, idx.contiguous(), w.contiguous(), *weights, out)]
+    tensors = (x, idx.contiguous(), w.contiguous(), *weights, out)
+    args = [256, D, H, E, 2] + [ctypes.c_void_p(t.data_ptr()) for t in tensors]
     gap_held, wall_held = _heartbeat_during(lambda: held(*args))
     assert gap_held > 0.8 * wall_held
 

@@ -36,6 +36,7 @@ def tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
     return tmp_path
 
 
+SMALL_GRID = "kern[(triton.cdiv(n, 16),)](x)\n"
 V_TILED = '''
 @triton.jit
 def decode(q, k, BV: tl.constexpr):
@@ -58,8 +59,8 @@ CASES = {
     "fuse-v-tiles": (
         (report(metrics("d.decode.bench", bandwidth_vs_copy=0.22)), {"d.py": V_TILED}),
         # memory-bound (the H200 at batch 256 ran at 94% of copy): must decline despite the pattern
-        (report(metrics("d.decode.bench", bandwidth_vs_copy=0.22), metrics("d.decode.bench256", bandwidth_vs_copy=0.94)),
-         {"d.py": V_TILED}),
+        (report(metrics("d.decode.bench", bandwidth_vs_copy=0.22),
+                metrics("d.decode.bench256", bandwidth_vs_copy=0.94)), {"d.py": V_TILED}),
     ),
     "reciprocal-rsqrt": (
         (report(metrics("d.bench", bandwidth_vs_copy=0.3)), {"d.py": V_TILED}),
@@ -80,8 +81,8 @@ CASES = {
          {"m.py": "xq, s = quantize_per_token(x)\n"}),
     ),
     "persistent-grid": (
-        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=6.0)), {"k.py": "kern[(triton.cdiv(n, 16),)](x)\n"}),
-        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=900.0)), {"k.py": "kern[(triton.cdiv(n, 16),)](x)\n"}),
+        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=6.0)), {"k.py": SMALL_GRID}),
+        (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=900.0)), {"k.py": SMALL_GRID}),
     ),
 }
 

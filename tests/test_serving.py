@@ -146,13 +146,13 @@ def test_gil_hold_scenario_applies_and_the_release_playbook_transform_undoes_it(
 
     root = _scenario_copy("gil-hold")
     try:
-        src = (root / "target_stack/engine/native/__init__.py").read_text()
+        src = (root / "target_stack/ops/moe/native/__init__.py").read_text()
         assert "ctypes.PyDLL(str(build()))" in src and "ctypes.CDLL(str(build()))" not in src
 
         line = next(i for i, t in enumerate(src.splitlines(), 1) if "PyDLL" in t)
-        match = CodeMatch(file="target_stack/engine/native/__init__.py", line=line, text="ctypes.PyDLL(")
-        assert pydll_to_cdll(root, [match], {}) == ["target_stack/engine/native/__init__.py"]
-        assert "ctypes.CDLL(str(build()))" in (root / "target_stack/engine/native/__init__.py").read_text()
+        match = CodeMatch(file="target_stack/ops/moe/native/__init__.py", line=line, text="ctypes.PyDLL(")
+        assert pydll_to_cdll(root, [match], {}) == ["target_stack/ops/moe/native/__init__.py"]
+        assert "ctypes.CDLL(str(build()))" in (root / "target_stack/ops/moe/native/__init__.py").read_text()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -14,8 +14,7 @@ import pytest
 from feedback.harness import judge
 from feedback.manifest import parse_manifest
 from feedback.models import CriterionResult, FeedbackReport, Finding, Metric, ProbeResult, Status
-from feedback.verdict import (MIN_NOISE, combine_runs, compare, compare_metric, noise_floor, replay_regressions,
-                              verdict)
+from feedback.verdict import MIN_NOISE, combine_runs, compare, compare_metric, noise_floor, replay_regressions, verdict
 
 MANIFEST = parse_manifest("""
 schema_version: 1

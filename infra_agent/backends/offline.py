@@ -9,7 +9,8 @@ does comes from the feedback signals and the code patterns the playbooks declare
 
 from __future__ import annotations
 
-from infra_agent.agent import Action, AgentState
+from infra_agent.agent import AgentState
+from infra_agent.tools import Action
 from playbooks.model import Playbook, evaluate, load_library, run_transform
 
 

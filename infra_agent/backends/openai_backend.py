@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import os
 
-from infra_agent.agent import Action, AgentState, FormatError, openai_tools
+import openai
+
+from infra_agent.agent import AgentState
+from infra_agent.exceptions import FormatError
+from infra_agent.tools import Action, openai_tools
 
 ZAI_BASE_URL = "https://api.z.ai/api/paas/v4"
 DEFAULT_GLM_MODEL = "glm-5"
@@ -26,8 +30,6 @@ class OpenAIBackend:
     def __init__(self, model: str | None = None, base_url: str | None = None, api_key: str | None = None,
                  context_chars: int = 240_000, max_retries: int = 4, timeout_s: float = 120.0,
                  thinking: bool | None = None):
-        import openai
-
         zai = os.environ.get("ZAI_API_KEY")
         key = api_key or (zai if zai and not os.environ.get("OPENAI_API_KEY") else os.environ.get("OPENAI_API_KEY"))
         key = key or zai
@@ -65,8 +67,6 @@ class OpenAIBackend:
         return head + kept
 
     def next_action(self, state: AgentState) -> Action:
-        import openai
-
         extra = {"thinking": {"type": "enabled"}} if self.thinking else None
         try:
             resp = self.client.chat.completions.create(model=self.model, messages=self.trim(state.messages),

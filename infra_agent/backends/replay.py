@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import pathlib
 
-from infra_agent.agent import Action, AgentState, FormatError
+from infra_agent.agent import AgentState
+from infra_agent.exceptions import FormatError
+from infra_agent.tools import Action
 
 
 class ReplayBackend:

@@ -100,7 +100,8 @@ def run(preset: str, spec: str, out: pathlib.Path, console, device: str | None =
                       f"{r['ttft_ms_p50_plain']:.2f}", f"{r['ttft_ms_p50_cached']:.2f}", f"{r['speedup']:.2f}x",
                       f"{r['answers_agree']}/{conv.conversations}")
     console.print(table)
-    console.print(f"leaks: {result['leaks']}, pages in use after clearing the cache: {result['pages_used_after_clear']}")
+    console.print(f"leaks: {result['leaks']}, pages in use after clearing the cache: "
+                  f"{result['pages_used_after_clear']}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if print_json:

@@ -243,8 +243,8 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
     if not print_json:
         table = Table(title=f"serve: preset={preset}, {workload_spec}")
         table.add_column("run")
-        for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "KV-transfer overhead", "exposed transfer p50/p99 ms",
-                    "overhead with decode"):
+        for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms", "tok/s", "KV-transfer overhead",
+                    "exposed transfer p50/p99 ms", "overhead with decode"):
             table.add_column(col, justify="right")
         for key in ("engine", "disagg", "disagg_gil_held"):
             r = result.get(key)
@@ -255,7 +255,8 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
                    if "exposed_transfer_ms_p50" in r else "-")
             wd = f"{100 * r['overhead_with_decode']:.1f}%" if "overhead_with_decode" in r else "-"
             table.add_row(key, f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}",
-                          f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}", f"{r['throughput_tok_s']:.0f}", ovh, exp, wd)
+                          f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}", f"{r['throughput_tok_s']:.0f}",
+                          ovh, exp, wd)
         console.print(table)
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

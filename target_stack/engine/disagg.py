@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from target_stack.engine.events import emit
 from target_stack.engine.sequence import RequestError, RequestOutput, SamplingParams, Sequence
+from target_stack.events import emit
 
 _STOP = None
 COPY_MODES = ("gather", "page", "post")
@@ -491,7 +491,8 @@ class DisaggCluster:
                 dead = [n for n, p in self.procs.items() if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self.close(timeout_s=1)
-                    raise RuntimeError(f"disaggregated workers failed to start: {', '.join(dead) or 'timeout'}") from None
+                    why = ", ".join(dead) or "timeout"
+                    raise RuntimeError(f"disaggregated workers failed to start: {why}") from None
                 continue
             if kind == "ready":
                 waiting.discard(rest[0])

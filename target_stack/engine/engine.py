@@ -17,12 +17,12 @@ from collections.abc import Iterable
 import torch
 
 from target_stack.engine.cache import FreeList
-from target_stack.engine.events import emit
 from target_stack.engine.prefix import OWNER, PrefixCache
 from target_stack.engine.runner import ModelRunner
 from target_stack.engine.sampler import sample
 from target_stack.engine.scheduler import Scheduler
 from target_stack.engine.sequence import RequestError, RequestOutput, SamplingParams, Sequence, Status
+from target_stack.events import emit
 from target_stack.model.image import ImageError, load_image
 from target_stack.model.model import HybridModel
 

@@ -143,7 +143,7 @@ class PrefixCache:
             entry.conv = {layer: tails[layer].conv[0].clone() for layer in entry.layers}
         self.entries[entry.id] = entry
         for L, h in self._boundaries(tokens, full * self.page_size):
-            if L >= first:
+            if first <= L:
                 self._index[h] = (entry, L)
                 entry.keys.append(h)
         self.stats["inserted"] += 1

@@ -62,7 +62,8 @@ class ModelRunner:
         start = seq.reused
         restore = seq.hit.entry.restore(start) if start else None
         if start and (seq.prompt_embeds is not None or start % self.page_size or start >= seq.num_prompt):
-            raise ValueError(f"cannot start a prefill at {start}: it must be a page boundary inside a token-only prompt")
+            raise ValueError(f"cannot start a prefill at {start}: it must be a page boundary inside a "
+                             "token-only prompt")
         h = model.embed_tokens(torch.tensor(seq.prompt[start:], device=self.device))
         if seq.prompt_embeds is not None:
             h = torch.cat([seq.prompt_embeds.to(device=h.device, dtype=h.dtype), h])

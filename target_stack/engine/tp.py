@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import socket
 import sys
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_check, args=(args.world, _free_port(), out_dir), nprocs=args.world, join=True)
-        results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(args.world)]
+        results = [json.loads(pathlib.Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.world)]
     ok = all(r[k] < 1e-5 for r in results for k in ("prefill", "decode", "lm_head"))
     print(json.dumps({"ok": ok, "ranks": results}))
     return 0 if ok else 1

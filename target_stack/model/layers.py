@@ -11,6 +11,17 @@ import math
 import torch
 import torch.nn.functional as F
 
+from target_stack.ops.moe import (
+    device_layout,
+    expert_groups,
+    grouped_gemm,
+    grouped_gemm_weights,
+    masked_dense,
+    moe_reference,
+    sort_pairs,
+)
+from target_stack.ops.moe.native import HostLayout, moe_dispatch_combine
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -44,8 +55,10 @@ class SwiGLU(torch.nn.Module):
 class MoE(torch.nn.Module):
     """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
 
-    ``forward`` groups tokens by expert (one sort, one matmul per expert over its tokens), never a
-    Python loop over tokens; ``reference`` computes every expert on every token and masks.
+    The layer routes and chooses; the combine forms are the MoE op's (``target_stack/ops/moe``):
+    ``forward`` groups tokens by expert (grouped GEMMs on a GPU in bf16, else one matmul chain per
+    expert group), or runs the native extension (``backend='native'``); ``forward_static`` never
+    synchronises with the host (CUDA-graph decode); ``reference`` is the op's definition.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, generator: torch.Generator | None = None,
@@ -59,6 +72,8 @@ class MoE(torch.nn.Module):
         self.backend = backend  # 'native': the compiled dispatch/expert/combine step on CPU fp32 inputs
         self.grouped = True  # False: the per-expert loop even where grouped GEMMs work (a plain-eager baseline)
         self._stacked: tuple | None = None
+        self._grouped_cache: tuple | None = None
+        self._host_layout: HostLayout | None = None
         self.router = torch.nn.Parameter(torch.randn(n_experts, dim, generator=generator) * dim**-0.5)
         self.router_bias = torch.nn.Parameter(torch.zeros(n_experts))
         self.experts = torch.nn.ModuleList(SwiGLU(dim, hidden, generator) for _ in range(n_experts))
@@ -88,119 +103,53 @@ class MoE(torch.nn.Module):
         if self.backend == "native" and x.is_cuda:
             return (self._native_cuda(x2, w, idx) + self.shared(x2).float()).to(x.dtype).reshape(shape)
         if self.backend == "native" and x.device.type == "cpu" and x.dtype == torch.float32:
-            from target_stack.engine.native import moe_dispatch_combine
-
             # one call per layer, as a fused MoE kernel is: the whole batch's dispatch, experts, combine
             out = moe_dispatch_combine(x2, idx, w, *self.stacked_weights())
             return (out + self.shared(x2).float()).reshape(shape)
         if self.grouped and self._grouped_ok(x2):  # a GPU in bf16: two grouped GEMMs, no host sync
             out = self._grouped(x2, w, idx)
         else:
-            flat_e = idx.reshape(-1)
-            order = torch.argsort(flat_e, stable=True)
-            ends = torch.bincount(flat_e, minlength=len(self.experts)).cumsum(0).tolist()
-            out = self._expert_groups(x2, w, order, ends)
+            order, ends = sort_pairs(idx, len(self.experts))
+            out = expert_groups(x2, w, order, ends, self.experts, self.top_k)
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
 
-    def _expert_groups(self, x2: torch.Tensor, w: torch.Tensor, order: torch.Tensor, ends: list[int]) -> torch.Tensor:
-        """sum_k w[t, k] expert_k(x[t]) with the (token, expert) pairs already sorted by expert:
-        ``order`` holds the pair indices, ``ends`` (host ints) where each expert's group ends.
-        One matmul chain per expert over its contiguous group, never a loop over tokens."""
-        tok = order // self.top_k
-        xs = x2[tok]
-        ws = w.reshape(-1)[order, None]
-        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
-        for e, (a, b) in enumerate(zip([0, *ends], ends, strict=False)):
-            if b > a:
-                out.index_add_(0, tok[a:b], self.experts[e](xs[a:b]).float() * ws[a:b])
-        return out
-
     def _native_cuda(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The GPU prefill's MoE with a host-side dispatch layout (the native extension): the routing
-        goes to pinned host memory with a sequence number behind it; the native call waits for the
-        number (for the device to get there), sorts the pairs by expert, and the experts run on their
-        contiguous groups.  Host buffers are reused: the next layer's call writes them only after
-        its own flag, which the device publishes after this layer's uploads."""
-        from target_stack.engine.native import moe_layout_wait
-
-        P, E = idx.numel(), len(self.experts)
-        st = getattr(self, "_staging", None)
-        if st is None or st["idx"].numel() < P or st["dev_flag"].device != x2.device:
-            n = max(P, 1024)
-            pinned = dict(device="cpu", pin_memory=True)
-            st = self._staging = {"idx": torch.empty(n, dtype=torch.int64, **pinned),
-                                  "order": torch.empty(n, dtype=torch.int64, **pinned),
-                                  "ends": torch.empty(E, dtype=torch.int64, **pinned),
-                                  "flag": torch.zeros(1, dtype=torch.int32, **pinned),
-                                  "dev_flag": torch.zeros(1, dtype=torch.int32, device=x2.device), "seq": 0}
-        st["seq"] = st["seq"] % (2**30) + 1
-        host_idx = st["idx"][:P]
-        host_idx.copy_(idx.reshape(-1), non_blocking=True)
-        st["dev_flag"].fill_(st["seq"])
-        st["flag"].copy_(st["dev_flag"], non_blocking=True)  # stream order: after the routing copy
-        order, ends = moe_layout_wait(st["flag"], st["seq"], host_idx, E, st["order"][:P], st["ends"])
-        order = order.to(x2.device, non_blocking=True)
-        if self._grouped_ok(x2):  # two grouped GEMMs over the host-made layout: a few launches per layer
+        """The GPU prefill's MoE over the native extension's host-made layout; the experts run on their
+        contiguous groups (grouped GEMMs where they work: a few launches per layer)."""
+        if self._host_layout is None:
+            self._host_layout = HostLayout()
+        order, ends = self._host_layout(idx, len(self.experts))
+        if self._grouped_ok(x2):
             offs = ends.to(x2.device, non_blocking=True).to(torch.int32)
-            return self._grouped_layout(x2, w, order, offs)
+            return grouped_gemm(x2, w, order, offs, *self._grouped_weights(x2.dtype), self.top_k)
         # the group ends are already on the host: no device sync before the expert launches
-        return self._expert_groups(x2, w, order, ends.tolist())
+        return expert_groups(x2, w, order, ends.tolist(), self.experts, self.top_k)
 
     def forward_static(self, x: torch.Tensor) -> torch.Tensor:
-        """The MoE with no host synchronisation, for decode steps captured in a CUDA graph.
-
-        On a GPU where ``torch._grouped_mm`` works (bf16, Hopper), the (token, expert) pairs are
-        sorted by expert and run as two grouped GEMMs with device-side offsets; elsewhere every
-        expert runs on every token and the routing weights (zero off the top-k) mask the result,
-        which reads each expert's weights once: the same bytes as grouped once a batch touches
-        most experts.
-        """
+        """The MoE with no host synchronisation, for decode steps captured in a CUDA graph: grouped
+        GEMMs with device-side offsets where ``torch._grouped_mm`` works (bf16, Hopper), else every
+        expert on every token, masked."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
-        out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else self._masked_dense(x2, w, idx)
+        out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else masked_dense(x2, w, idx, *self.stacked_weights())
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
-
-    def _masked_dense(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, masked by the routing weights (zero off the top-k); fp32."""
-        wg, wu, wd = (t.to(x2.dtype) for t in self.stacked_weights())
-        dense_w = torch.zeros(x2.shape[0], len(self.experts), device=x2.device).scatter_(1, idx, w)
-        act = F.silu(torch.einsum("td,ehd->teh", x2, wg)) * torch.einsum("td,ehd->teh", x2, wu)
-        return torch.einsum("teh,edh->td", act * dense_w.to(x2.dtype)[..., None], wd).float()
 
     def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         wg, wu, wd = self.stacked_weights()
         key = ("grouped", dtype, wg.data_ptr())
-        if getattr(self, "_grouped_cache", (None,))[0] != key:
-            gate_up = torch.cat([wg, wu], dim=1).transpose(1, 2).contiguous().to(dtype)  # [E, D, 2H]
-            down = wd.transpose(1, 2).contiguous().to(dtype)  # [E, H, D]
-            self._grouped_cache = (key, gate_up, down)
+        if self._grouped_cache is None or self._grouped_cache[0] != key:
+            self._grouped_cache = (key, *grouped_gemm_weights(wg, wu, wd, dtype))
         return self._grouped_cache[1], self._grouped_cache[2]
 
     def _grouped(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The layout on the device (sort by expert, group ends), then :meth:`_grouped_layout`."""
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x2.device).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int32))
-        return self._grouped_layout(x2, w, order, torch.cumsum(counts, 0, dtype=torch.int32))
-
-    def _grouped_layout(self, x2: torch.Tensor, w: torch.Tensor, order: torch.Tensor,
-                        offs: torch.Tensor) -> torch.Tensor:
-        """Two grouped GEMMs over pairs sorted by expert (``order``, device) with group ends ``offs``
-        (device int32), then the weighted combine."""
-        gate_up, down = self._grouped_weights(x2.dtype)
-        tok = order // self.top_k
-        h = torch._grouped_mm(x2[tok], gate_up, offs=offs)
-        g, u = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(g) * u, down, offs=offs)
-        out = torch.zeros(x2.shape[0], x2.shape[1], device=x2.device, dtype=torch.float32)
-        return out.index_add_(0, tok, y.float() * w.reshape(-1)[order, None])
+        order, offs = device_layout(idx, len(self.experts))
+        return grouped_gemm(x2, w, order, offs, *self._grouped_weights(x2.dtype), self.top_k)
 
     def _grouped_ok(self, x2: torch.Tensor) -> bool:
-        """Whether the grouped-GEMM path works here: checked once per device and dtype against the
+        """Whether the grouped-GEMM form works here: checked once per device and dtype against the
         masked dense form (a private torch API: verify, never assume)."""
         if not (x2.is_cuda and x2.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
             return False
@@ -211,7 +160,7 @@ class MoE(torch.nn.Module):
                 probe = torch.randn(8, x2.shape[-1], device=x2.device, dtype=x2.dtype)
                 w, idx = self.route(probe)
                 got = self._grouped(probe, w, idx)
-                ref = self._masked_dense(probe, w, idx)
+                ref = masked_dense(probe, w, idx, *self.stacked_weights())
                 cache[key] = bool(((got - ref).norm() / ref.norm().clamp_min(1e-6)) < 2e-2)
             except Exception:  # noqa: BLE001 - unsupported here: the dense form it is
                 cache[key] = False
@@ -222,10 +171,7 @@ class MoE(torch.nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         w, idx = self.route(x2)
-        dense_w = torch.zeros(x2.shape[0], len(self.experts), dtype=torch.float32, device=x.device)
-        dense_w.scatter_(1, idx, w)
-        every = torch.stack([e(x2).float() for e in self.experts], dim=1)  # [T, E, D]
-        out = (every * dense_w[..., None]).sum(1) + self.shared(x2).float()
+        out = moe_reference(x2, w, idx, self.experts) + self.shared(x2).float()
         return out.to(x.dtype).reshape(x.shape)
 
 

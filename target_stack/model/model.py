@@ -96,7 +96,8 @@ class ImageEncoder(torch.nn.Module):
                 att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5, dim=-1)
                 o = torch.einsum("hqk,khd->qhd", att, v)
             else:
-                o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+                q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
             h = h + F.linear(o.reshape(x.shape[0], -1), layer.w_o.to(dtype))
             x = layer.norm2.reference(h) if ref else layer.norm2(h)
             mlp = layer.mlp

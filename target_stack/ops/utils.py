@@ -75,7 +75,7 @@ def check_kda_inputs(
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if T == 0:
         raise ValueError("the sequence length T must be at least 1")
-    if K > max_k:
+    if max_k < K:
         raise ValueError(f"head dimension K={K} is above the supported maximum {max_k}")
     if initial_state is not None:
         nb = B if state_batch is None else state_batch

@@ -13,7 +13,6 @@ import torch
 from feedback.correctness import fresh_generator
 from feedback.events import SAMPLE_VAR, gil_blocked, read_events, spans
 from feedback.probe import ProbeContext, probe
-
 from target_stack.engine import LLMEngine, SamplingParams
 from target_stack.model.model import PRESETS, HybridModel, ModelConfig
 
@@ -21,7 +20,7 @@ ENGINE = "target_stack/engine/engine.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
 RUNNER = "target_stack/engine/runner.py"
 DISAGG = "target_stack/engine/disagg.py"
-NATIVE = "target_stack/engine/native/__init__.py"
+NATIVE = "target_stack/ops/moe/native/__init__.py"
 
 
 def _greedy_recompute(model: HybridModel, prompt: list[int], n: int) -> list[int]:

@@ -10,10 +10,9 @@ import functools
 
 import torch
 
+import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import compare_sweep, error_growth, fresh_generator, partitioned_vs_whole, rel_err
 from feedback.probe import ProbeContext, probe
-
-import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import resolve_dot_precision, set_poison

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
+import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import rel_err
 from feedback.probe import ProbeContext, probe
-
-import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from target_stack.probes import reference as ref
 from target_stack.probes.reference import Checker, Draw, f64, isolated
 
@@ -25,7 +24,9 @@ CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
-NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
+NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
+MOE_GROUPED = "target_stack/ops/moe/grouped.py"
+MOE_REFERENCE = "target_stack/ops/moe/reference.py"
 MARGIN = 1e-4  # a discrete choice is compared only where the float64 scores are this far apart
 
 torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
@@ -64,6 +65,53 @@ def _check_mlp(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
     where = dict(file=LAYERS, symbol="SwiGLU.forward")
     with chk.guard(**where), torch.no_grad():
         chk.compare(mlp(x), ref.swiglu(f64(x), mlp), "SwiGLU", **where)
+
+
+def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """The MoE op's torch forms on float64-chosen experts and weights (no routing margin involved):
+    the expert groups, the masked dense form, the op's own reference, and on a GPU in bf16 the
+    grouped GEMMs.  Each against the float64 definition without the shared expert."""
+    from target_stack.model.layers import MoE
+    from target_stack.ops.moe import (
+        device_layout,
+        expert_groups,
+        grouped_gemm,
+        grouped_gemm_weights,
+        masked_dense,
+        moe_reference,
+        sort_pairs,
+    )
+
+    c = ctx.params["moe"]
+    for top_k in c.get("top_k", [2]):
+        for T in c["tokens"]:
+            moe = MoE(c["dim"], c["hidden"], c["experts"], top_k, draw.cpu).to(ctx.device)
+            x = draw.randn(T, c["dim"])
+            w64, idx, _ = ref.moe_route(f64(x), moe)
+            want = ref.moe(f64(x), moe)[0] - ref.swiglu(f64(x), moe.shared)
+            w, idx = w64.float().to(x.device), idx.to(x.device)
+            E, stacked = c["experts"], moe.stacked_weights()
+            forms = {(MOE_GROUPED, "expert_groups"):
+                     lambda x=x, w=w, idx=idx, moe=moe, k=top_k, E=E: expert_groups(x, w, *sort_pairs(idx, E),
+                                                                                    moe.experts, k),
+                     (MOE_GROUPED, "masked_dense"): lambda x=x, w=w, idx=idx, s=stacked: masked_dense(x, w, idx, *s),
+                     (MOE_REFERENCE, "moe_reference"): lambda x=x, w=w, idx=idx, moe=moe: moe_reference(x, w, idx,
+                                                                                                         moe.experts)}
+            tol = None
+            if ctx.device == "cuda" and hasattr(torch, "_grouped_mm"):
+                xb = x.to(torch.bfloat16)
+                if moe.to(dtype=torch.bfloat16)._grouped_ok(xb):
+                    weights = grouped_gemm_weights(*moe.stacked_weights(), torch.bfloat16)
+                    forms[(MOE_GROUPED, "grouped_gemm")] = lambda xb=xb, w=w, idx=idx, g=weights, k=top_k, E=E: \
+                        grouped_gemm(xb, w, *device_layout(idx, E), *g, k)
+                tol = float(c.get("bf16_tolerance", 3e-2))
+            cond = f"T={T}, experts={E}, top_k={top_k}, float64-chosen experts"
+            for (file, symbol), fn in forms.items():
+                where = dict(file=file, symbol=symbol, condition=cond)
+                bf16 = symbol == "grouped_gemm"
+                with chk.guard(**where), torch.no_grad():
+                    chk.compare(fn(), want, "MoE combine", tolerance=tol if bf16 else None,
+                                metric="max_rel_err_bf16" if bf16 else None, **where)
 
 
 def _moe_paths(moe, bf16: bool) -> dict:
@@ -180,7 +228,10 @@ def layers(ctx: ProbeContext) -> None:
     draw = Draw(ctx.device)
     _check_norm(ctx, chk, draw)
     _check_mlp(ctx, chk, draw)
-    check_moe(ctx, chk, draw, _moe_paths, LAYERS)
+    _check_moe_ops(ctx, chk, draw)
+    # the op's forms are right: a wrong layer output is the layer's (its routing, its choice, the shared expert)
+    op_failed = any(f.location.file in (MOE_GROUPED, MOE_REFERENCE) for f in ctx.findings)
+    check_moe(ctx, chk, draw, _moe_paths, MOE_GROUPED if op_failed else LAYERS)
     _check_sparse_attention(ctx, chk, draw)
     chk.report()
 
@@ -189,8 +240,8 @@ def layers(ctx: ProbeContext) -> None:
 def moe_native(ctx: ProbeContext) -> None:
     """The native (C) MoE dispatch / experts / combine: the extension's call on float64-chosen
     experts and weights (no routing margin involved), then the layer on its native path."""
-    from target_stack.engine.native import moe_dispatch_combine
     from target_stack.model.layers import MoE
+    from target_stack.ops.moe.native import moe_dispatch_combine
 
     chk = Checker(ctx, ctx.params.get("tolerance", 1e-5))
     draw = Draw(ctx.device)
@@ -508,7 +559,7 @@ def hybrid(ctx: ProbeContext) -> None:
         refs = [ref.hybrid_logits(model, row.tolist()) for row in tokens]
         if min(m for _, m in refs) > MARGIN:
             break
-    ctx.check(T > cfg.block * cfg.top_k_blocks, "probe sequence too short to drop key blocks", file=MODEL)
+    ctx.check(cfg.block * cfg.top_k_blocks < T, "probe sequence too short to drop key blocks", file=MODEL)
     located: dict[tuple[str, str], float] = {}
     for row in tokens:  # each component on the input the model gives it: names the part that is off
         with chk.guard(file=MODEL, symbol="HybridModel.forward", condition=f"T={T}"):

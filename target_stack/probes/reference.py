@@ -23,7 +23,7 @@ CONV = 4  # the KDA layer's short convolution width
 LAYERS = "target_stack/model/layers.py"  # the files diagnose() names
 KDA_LAYER = "target_stack/model/kda_layer.py"
 MODEL = "target_stack/model/model.py"
-NATIVE_C = "target_stack/engine/native/moe_dispatch.c"
+NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
 
 
 def f64(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,6 @@ import torch
 
 from feedback.correctness import fresh_generator
 from feedback.probe import ProbeContext, probe
-
 from target_stack.engine import LLMEngine, SamplingParams
 from target_stack.engine.prefix import OWNER
 from target_stack.engine.scheduler import Scheduler
@@ -98,8 +97,8 @@ class _Watch:
         newest_kept = max((self.admitted.get(s.id, -1) for s in self.sched.running), default=-1)
         oldest_victim = min(order)
         if newest_kept > oldest_victim:
-            self.fail("Scheduler.schedule", "victim", f"preempted the sequence admitted #{oldest_victim} while #{newest_kept} "
-                      f"keeps running (the most recently admitted is the victim)")
+            self.fail("Scheduler.schedule", "victim", f"preempted the sequence admitted #{oldest_victim} while "
+                      f"#{newest_kept} keeps running (the most recently admitted is the victim)")
         head = list(self.sched.waiting)[:len(plan.preempted)]
         if {s.id for s in head} != {s.id for s in plan.preempted}:
             self.fail("Scheduler.preempt", "requeue", "a preempted sequence is not back at the front of the queue")

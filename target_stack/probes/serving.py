@@ -16,10 +16,9 @@ import tempfile
 
 import torch
 
+import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import rel_err
 from feedback.probe import ProbeContext, probe
-
-import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from target_stack.probes import reference as ref
 from target_stack.probes.reference import Checker, Draw, f64, isolated
 

@@ -1,21 +1,28 @@
-"""``infra-agent demo``: the KDA kernel core checked against its references, and the tf32 CP case."""
+"""``python -m target_stack.demo``: the KDA kernels against their float64 references, then the tf32
+context-parallel merge case (on a CPU under infra-agent's numerics emulation, where Triton's
+interpreter would otherwise compute every dot exactly).
+
+    python -m target_stack.demo [--tokens 256] [--seed 0]
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+import target_stack.ops  # noqa: F401 - chooses the interpreter on a CPU before triton loads
+from feedback.emulation import dot_precision
+from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
+from target_stack.ops.kda.testing import make_inputs, rel_err
+from target_stack.ops.utils import interpreting
+
 
 def run_demo(console: Console, tokens: int = 256, seed: int = 0) -> int:
-    import torch
-
-    import target_stack.ops  # noqa: F401  (chooses the interpreter on a CPU before triton loads)
-    from feedback.emulation import dot_precision
-    from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
-    from target_stack.ops.kda.testing import make_inputs, rel_err
-    from target_stack.ops.utils import interpreting
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = "Triton interpreter on the CPU" if interpreting() else torch.cuda.get_device_name(0)
@@ -57,3 +64,17 @@ def run_demo(console: Console, tokens: int = 256, seed: int = 0) -> int:
                       " without the emulation every row would look exact.[/]")
     console.print("[green]all kernels match their references[/]" if ok else "[red]a kernel failed[/]")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m target_stack.demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", "-t", type=int, default=256, help="sequence length of the CP demo (>= 16)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    args = ap.parse_args(argv)
+    if args.tokens < 16:
+        ap.error("--tokens must be at least 16")
+    return run_demo(Console(), tokens=args.tokens, seed=args.seed)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

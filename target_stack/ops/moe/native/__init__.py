@@ -1,4 +1,5 @@
-"""target_stack's native extension: the MoE dispatch / expert / combine step of the CPU prefill path.
+"""The MoE op's native extension: the dispatch / expert / combine step of the CPU prefill path, and
+the host-side dispatch layout of the GPU prefill path (:class:`HostLayout`).
 
 The C source beside this file is compiled at first use with the machine's C compiler into a cache
 directory keyed by the source's hash (``$TARGET_STACK_CACHE``, default ``~/.cache/target_stack``),
@@ -22,7 +23,7 @@ import threading
 
 import torch
 
-from target_stack.engine.events import emit
+from target_stack.events import emit
 
 SOURCE = pathlib.Path(__file__).with_name("moe_dispatch.c")
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno"]
@@ -128,3 +129,34 @@ def moe_layout_wait(flag: torch.Tensor, expected: int, experts: torch.Tensor, nu
     if rc != 0:
         raise MemoryError("native MoE layout could not allocate its buffer")
     return order[:P], ends
+
+
+class HostLayout:
+    """The GPU prefill MoE's dispatch layout made on the host by the native extension: the routing goes
+    to pinned host memory with a sequence number behind it; :func:`moe_layout_wait` waits for the
+    number (for the device to get there) and sorts the pairs by expert.  Buffers are reused: the next
+    call writes them only after its own flag, which the device publishes after this call's uploads."""
+
+    def __init__(self):
+        self._staging: dict | None = None
+
+    def __call__(self, idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order on ``idx``'s device, group ends as host int64 [E]) for expert ids ``idx`` on a GPU."""
+        P, E = idx.numel(), num_experts
+        st = self._staging
+        if st is None or st["idx"].numel() < P or st["ends"].numel() != E or st["dev_flag"].device != idx.device:
+            n = max(P, 1024)
+            pinned = dict(device="cpu", pin_memory=True)
+            st = self._staging = {"idx": torch.empty(n, dtype=torch.int64, **pinned),
+                                  "order": torch.empty(n, dtype=torch.int64, **pinned),
+                                  "ends": torch.empty(E, dtype=torch.int64, **pinned),
+                                  "flag": torch.zeros(1, dtype=torch.int32, **pinned),
+                                  "dev_flag": torch.zeros(1, dtype=torch.int32, device=idx.device), "seq": 0}
+        st["seq"] = st["seq"] % (2**30) + 1
+        host_idx = st["idx"][:P]
+        host_idx.copy_(idx.reshape(-1), non_blocking=True)
+        st["dev_flag"].fill_(st["seq"])
+        st["flag"].copy_(st["dev_flag"], non_blocking=True)  # stream order: after the routing copy
+        order, ends = moe_layout_wait(st["flag"], st["seq"], host_idx, E, st["order"][:P], st["ends"])
+        return order.to(idx.device, non_blocking=True), ends
+

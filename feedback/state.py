@@ -1,0 +1,63 @@
+"""The state folder: everything infra-agent writes for one place lives under ``.infra-agent/``.
+
+One object spells out the layout; the harness, the workspaces, the review queue and the CLI take
+it (or a path it gives) as an argument instead of joining folder names themselves::
+
+    .infra-agent/
+      cache/                 probe results keyed by content (shared by sessions and the feedback command)
+      workspaces/<session>/  a session: session.json, trajectory.jsonl, summary.json, worktrees/, repo/
+      review.db              the review queue
+      experiments/           the experiment records the sessions wrote
+      bundled/               scratch copies of the bundled target
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+
+NAME = ".infra-agent"
+#: path parts that walks over a target tree leave out (version control, our state, bytecode)
+SKIP_PARTS = frozenset({".git", NAME, "__pycache__"})
+
+
+@dataclass(frozen=True)
+class StateDir:
+    root: pathlib.Path
+
+    @classmethod
+    def of(cls, base: str | os.PathLike | None = None) -> StateDir:
+        """The state folder of ``base`` (a target's root; default: the current directory)."""
+        return cls(pathlib.Path(base if base is not None else pathlib.Path.cwd()).resolve() / NAME)
+
+    @property
+    def cache(self) -> pathlib.Path:
+        return self.root / "cache"
+
+    @property
+    def workspaces(self) -> pathlib.Path:
+        return self.root / "workspaces"
+
+    def session(self, session: str) -> pathlib.Path:
+        return self.workspaces / session
+
+    @property
+    def review_db(self) -> pathlib.Path:
+        return self.root / "review.db"
+
+    @property
+    def experiments(self) -> pathlib.Path:
+        return self.root / "experiments"
+
+    @property
+    def bundled(self) -> pathlib.Path:
+        return self.root / "bundled"
+
+    def relative(self, path: str | os.PathLike) -> str:
+        """``path`` relative to the state folder when it is inside (portable across machines), else as is."""
+        p = pathlib.Path(path)
+        try:
+            return p.resolve().relative_to(self.root).as_posix()
+        except ValueError:
+            return str(p)
