@@ -25,7 +25,8 @@ SAMPLER = "target_stack/engine/sampler.py"
 RUNNER = "target_stack/engine/runner.py"
 TP = "target_stack/engine/tp.py"
 REPLAY = "target_stack/engine/replay_ssm.py"
-DISAGG = "target_stack/engine/disagg.py"
+DISAGG = "target_stack/engine/disagg/transfer.py"
+WORKERS = "target_stack/engine/disagg/workers.py"
 NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
@@ -218,7 +219,7 @@ def test_transfer_defects_are_caught_while_the_engine_passes(tmp_path):
     r = _judge(tmp_path, ["conv tail not transferred", "page copy to the source page"],
                ["engine.disagg.correctness", "engine.reference"])
     res = r["engine.disagg.correctness"]
-    assert_caught(res, (DISAGG, "TransferEngine._copy_stage"), (DISAGG, "decode_worker"))  # the copy, the outputs
+    assert_caught(res, (DISAGG, "TransferEngine._copy_stage"), (WORKERS, "decode_worker"))  # the copy, the outputs
     copies = {f.location.symbol: f.message for f in res.findings if "_copy_stage" in (f.location.symbol or "")}
     # the missing conv tail in every mode; the page-by-page mode's pages besides (kv pools listed first)
     assert len(copies) == 3 and "kv." in copies["TransferEngine._copy_stage (copy='page')"]

@@ -19,7 +19,8 @@ from target_stack.model.model import PRESETS, HybridModel, ModelConfig
 ENGINE = "target_stack/engine/engine.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
 RUNNER = "target_stack/engine/runner.py"
-DISAGG = "target_stack/engine/disagg.py"
+DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
+DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
 NATIVE = "target_stack/ops/moe/native/__init__.py"
 
 
@@ -168,14 +169,14 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
         os.environ.pop(SAMPLE_VAR, None)
         os.unlink(path)
     errors = [str(o) for o in result.outputs if isinstance(o, Exception)]
-    ctx.check(not errors, f"{len(errors)} request(s) failed: {errors[:1]}", file=DISAGG)
+    ctx.check(not errors, f"{len(errors)} request(s) failed: {errors[:1]}", file=DISAGG_WORKERS)
     stage_events = [e for e in events if e["event"].startswith("kv_transfer.")
                     and not str(e.get("id", "")).endswith(("reserve", "ready", "abort"))]
     stages = [1e3 * secs for _, secs in spans(stage_events, ".submit", ".done")]
     dispatch = [1e3 * secs for name, secs in spans(events, ".enter", ".exit", key="tokens") if name == "dispatch"]
     if not stages or not dispatch:
         ctx.fail(f"events missing: {len(stages)} stage transfers, {len(dispatch)} dispatch calls",
-                 file=DISAGG, symbol="TransferEngine")
+                 file=DISAGG_TRANSFER, symbol="TransferEngine")
         return
     worst = max(stages)
     moe_layers = cfg.layers - 1  # every layer after the first has a MoE FFN
@@ -193,7 +194,7 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     # the cause, read directly: how much of each native call the prefill worker's GIL sampler sat out.
     # Unlike the stage waits it does not depend on whether a stage happened to be in flight
     blocked = gil_blocked(events)
-    ctx.check(bool(blocked), "the prefill worker's GIL sampler observed none of the native calls", file=DISAGG)
+    ctx.check(bool(blocked), "the prefill worker's GIL sampler observed none of the native calls", file=DISAGG_WORKERS)
     if blocked:
         frac = statistics.median(blocked)
         ctx.metric("gil_blocked_fraction", frac, better="lower")
@@ -207,7 +208,7 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
               "(a call that holds the GIL?)",
               file=NATIVE, symbol="library / ts_moe_dispatch_combine", condition="disaggregated prefill")
     leaked = {w: s for w, s in pools.items() if any(s.values())}
-    ctx.check(not leaked, f"pages or slots leaked by the workers: {leaked}", file=DISAGG)
+    ctx.check(not leaked, f"pages or slots leaked by the workers: {leaked}", file=DISAGG_WORKERS)
 
 
 @probe(kind="e2e")
@@ -223,4 +224,4 @@ def serve_e2e(ctx: ProbeContext) -> None:
     ctx.metric("kv_transfer_overhead", r["kv_transfer_overhead"], better="lower")
     ctx.metric("overhead_with_decode", r["overhead_with_decode"], better="lower")
     leaked = {w: s for w, s in r["pools"].items() if any(s.values())}
-    ctx.check(not leaked, f"pages or slots leaked by the workers: {leaked}", file=DISAGG)
+    ctx.check(not leaked, f"pages or slots leaked by the workers: {leaked}", file=DISAGG_WORKERS)

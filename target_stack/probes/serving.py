@@ -28,7 +28,8 @@ PREFIX = "target_stack/engine/prefix.py"
 REPLAY = "target_stack/engine/replay_ssm.py"
 ENGINE = "target_stack/engine/engine.py"
 TP = "target_stack/engine/tp.py"
-DISAGG = "target_stack/engine/disagg.py"
+DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
+DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
 MARGIN = 1e-4  # as in the model probes: discrete choices closer than this are drawn again
 
 torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
@@ -430,7 +431,7 @@ def _check_transfer(ctx: ProbeContext, draw: Draw, stages: int) -> None:
               **{f"state.{i}.{n}": getattr(p, n) for i, p in src.states.items() for n in ("kda", "conv")}}
     clean = {k: t.clone() for k, t in remote.items()}
     for mode in COPY_MODES:
-        where = dict(file=DISAGG, symbol=f"TransferEngine._copy_stage (copy={mode!r})",
+        where = dict(file=DISAGG_TRANSFER, symbol=f"TransferEngine._copy_stage (copy={mode!r})",
                      condition=f"pages {seq.pages} -> {dst_pages}, slot {seq.slot} -> {dst_slot}, {stages} stages")
         with Checker(ctx, 0).guard(**where):
             for k, t in remote.items():
@@ -481,7 +482,8 @@ def disagg(ctx: ProbeContext) -> None:
     images = [None] * len(prompts) + [image]  # the last request: the first prompt after an image
     requests = [(q, SamplingParams(max_tokens=n), img) for q, img in zip(prompts + prompts[:1], images)]
     device = "cuda" if ctx.device == "cuda" else "cpu"
-    where = dict(file=DISAGG, symbol="DisaggCluster / prefill_worker / TransferEngine / decode_worker")
+    # wrong outputs with a right transfer copy (checked above): the workers' handling of the sequences
+    where = dict(file=DISAGG_WORKERS, symbol="prefill_worker / decode_worker")
     result = None
     sizes = dict(stages=p.get("stages", 2), page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 64),
                  max_model_len=p.get("max_model_len", 256))
@@ -522,4 +524,4 @@ def disagg(ctx: ProbeContext) -> None:
                 ctx.fail(f"the model's {symbol} departs from its definition on its own input (rel. error "
                          f"{err:.2e})", file=file, symbol=symbol)
 
-        isolated(ctx, components, file=DISAGG, symbol="the model of the workers (native MoE)")
+        isolated(ctx, components, file=DISAGG_WORKERS, symbol="the model of the workers (native MoE)")
