@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The KV-transfer / GIL comparison on a GPU, as recorded in bench/RESULTS.md: for each transfer copy
-# mode, the disaggregated workers on the GPU with the GIL released and with scenarios/gil-hold.patch.
+# mode, the disaggregated workers on the GPU with the GIL released and with scenarios/gil-kv-transfer.patch.
 # Run from the repository root; JSON goes to $OUT (default bench/out).  Knobs: W (workload), ST
 # (Layer Split stages), REP (repeats), COPIES, TMO (seconds per mode).  The long-prompt run in
 # RESULTS (device-bound prefill, where the held GIL starves the per-page transfer):

@@ -60,14 +60,18 @@ def render(report: FeedbackReport, console: Console) -> None:
     title = f"feedback on {report.target} ({report.selection})"
     if report.baseline:
         title += f" vs baseline {report.baseline}"
+    # an 80-column terminal: probe names whole (never cut into ellipses), the kind left out, metrics folded
+    narrow = console.width < 110
     table = Table(title=title, title_justify="left")
-    table.add_column("probe")
-    table.add_column("kind")
+    longest = max((len(c.probe) for c in report.comparisons), default=5)
+    table.add_column("probe", no_wrap=True, min_width=min(longest, 32))
+    if not narrow:
+        table.add_column("kind")
     if report.baseline:
-        table.add_column("baseline")
-    table.add_column("status")
-    table.add_column("metrics")
-    table.add_column("time", justify="right")
+        table.add_column("baseline", overflow="fold")
+    table.add_column("status", overflow="fold")
+    table.add_column("metrics", overflow="fold")
+    table.add_column("time", justify="right", no_wrap=True)
     results = {r.probe: r for r in report.results}
     for c in report.comparisons:
         r = results[c.probe]
@@ -82,7 +86,7 @@ def render(report: FeedbackReport, console: Console) -> None:
             else:
                 metrics.append(f"{d.name} {_fmt(d.candidate, d.unit)}")
         status = f"[{_STATUS_STYLE[r.status]}]{r.status.value}[/]" + (" (cached)" if r.cached else "")
-        row = [c.probe, c.kind]
+        row = [c.probe] + ([] if narrow else [c.kind])
         if report.baseline:
             row.append(c.baseline.value if c.baseline else "-")
         row += [status, "\n".join(metrics) or (r.reason or ""), f"{r.duration_s:.1f}s"]

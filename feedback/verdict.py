@@ -280,16 +280,31 @@ def evidence(report: FeedbackReport) -> list[dict]:
 
 
 def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeResult],
-                       acceptance: list[CriterionResult]) -> tuple[list[str], list[str]]:
+                       acceptance: list[CriterionResult],
+                       against_base: list[ProbeComparison] | None = None) -> tuple[list[str], list[str]]:
     """What a re-run of a committed record says: (regressions, one detail line per probe).
 
-    Status kinds must end as they were recorded; performance kinds must not regress under the
-    noise rule (and are only compared where the environment is the same)."""
+    Status kinds must end as they were recorded.  Performance kinds must not regress under the
+    noise rule: with ``against_base`` (the candidate re-judged beside its rebuilt base in the same
+    run), the candidate must not be worse than its base now, the only comparison that holds on
+    another day or a busier machine; without it, against the recorded numbers, and only where the
+    environment is the same."""
     now_by_id = {r.probe: r for r in now}
+    base_by_id = {c.probe: c for c in against_base or []}
     details, regressed = [], []
     for kind, then in recorded:
         cur = now_by_id[then.probe]
         line = f"{then.probe}: recorded {then.status.value}, now {cur.status.value}"
+        if judged_by_performance(kind) and then.probe in base_by_id:
+            if Status.skipped in (then.status, cur.status):
+                details.append(line + " (performance: skipped here)")
+                continue
+            worse = [f"{d.name} {_change(d)}" for d in base_by_id[then.probe].deltas if d.verdict == "regressed"]
+            if worse:
+                regressed.append(f"{then.probe}: worse than its base, side by side: " + ", ".join(worse))
+            details.append(line + (f"; worse than its base: {', '.join(worse)}" if worse
+                                   else "; against its base, side by side: within the noise or better"))
+            continue
         if judged_by_performance(kind):
             if then.environment.key() != cur.environment.key() or Status.skipped in (then.status, cur.status):
                 details.append(line + " (performance: not comparable here, skipped)")

@@ -275,12 +275,18 @@ def _render_item(item, full: bool = True) -> None:
         console.print(f"  gate {f['category']}: {f['rule']} at {f['file']}:{f['line']}: {f['text'].strip()[:100]}",
                       highlight=False, soft_wrap=True)
     console.print(Syntax(item.diff, "diff", theme="ansi_dark", word_wrap=True))
+    ci = lambda c: f" [{c[0]:.3g}, {c[1]:.3g}]" if c else ""  # noqa: E731
+    rows = [(e["probe"], e["metric"], "-" if e["before"] is None else f"{e['before']:.3g}{ci(e['before_ci'])}",
+             f"{e['after']:.3g}{ci(e['after_ci'])}", f"{e['status_before'] or '-'} -> {e['status_after']}")
+            for e in item.evidence]
+    if console.width < 110:  # a narrow terminal: one line per metric, its full name first
+        console.print("[bold]evidence[/] (probe.metric: before -> after, status)")
+        for probe, metric, before, after, status in rows:
+            console.print(f"  {probe}.{metric}: {before} -> {after} ({status})", highlight=False, soft_wrap=True)
+        return
     table = Table("probe", "metric", "before", "after", "status")
-    for e in item.evidence:
-        ci = lambda c: f" [{c[0]:.3g}, {c[1]:.3g}]" if c else ""  # noqa: E731
-        before = "-" if e["before"] is None else f"{e['before']:.3g}{ci(e['before_ci'])}"
-        table.add_row(e["probe"], e["metric"], before, f"{e['after']:.3g}{ci(e['after_ci'])}",
-                      f"{e['status_before'] or '-'} -> {e['status_after']}")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -329,7 +335,8 @@ def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target")
             continue
         item = q.get(int(choice))
         _render_item(item)
-        act = Prompt.ask("[a]pprove, [r]eject, [s]kip", choices=["a", "r", "s"], default="s")
+        # "\[": literal brackets; "[a]" alone is rich markup and vanished ("pprove, eject, kip")
+        act = Prompt.ask(r"\[a]pprove, \[r]eject, \[s]kip", choices=["a", "r", "s"], default="s")
         if act == "a":
             comment = Prompt.ask("comment (optional)", default="")
             try:
@@ -354,6 +361,7 @@ def review_list(target: str = typer.Option(None, "--target"), state: str = typer
     from rich.table import Table
 
     table = Table("id", "state", "risk", "playbook", "hypothesis", "settled by")
+    table.columns[3].overflow = "fold"  # playbook ids whole (folded), never cut into an ellipsis
     for i in items:
         table.add_row(str(i.id), i.state, ", ".join(i.categories), i.playbook or "-", i.hypothesis[:60],
                       i.settled_by or "-")
@@ -449,9 +457,10 @@ DEFAULT_GOAL = ("Find and fix what the feedback flags (failing probes, acceptanc
 @app.command()
 def run(
     target: str = typer.Option(None, "--target", help="a git repository with an infra-agent.yaml (default: bundled)"),
-    goal: str = typer.Option(DEFAULT_GOAL, "--goal", help="the task given to the agent"),
-    scenario: str = typer.Option(None, "--scenario", help="bundled target only: start from a scenario "
-                                                          "(target_stack/scenarios/NAME.patch), e.g. cp-tf32"),
+    goal: str = typer.Option(None, "--goal", help="the task given to the agent (default: the scenario's goal, "
+                                                  "else: fix what the feedback flags)"),
+    scenario: str = typer.Option(None, "--scenario", help="bundled target only: start from a scenario's defect "
+                                                          "(`infra-agent scenarios` lists them), or 'all'"),
     backend: str = typer.Option(None, "--backend", help="offline | openai | replay (default: openai when an API key "
                                                         "is set, else offline)"),
     model: str = typer.Option(None, "--model", help="model name for the openai backend"),
@@ -465,46 +474,94 @@ def run(
     """Run an agent session: feedback, hypotheses, patches judged by the harness, a summary.
 
     Exit code 0: the session finished with no failing probe left unaddressed (fixed, or held for
-    review); 1: probes still fail; 2: usage error; 130: interrupted (everything so far is kept).
+    review) and, for a scenario, its acceptance holding; 1: not so; 2: usage error; 130: interrupted
+    (everything so far is kept).
     """
     import json
     import pathlib
 
-    from infra_agent.agent import Agent, Limits
-    from infra_agent.session import BACKENDS, default_backend, make_backend, print_event, summarise
+    from infra_agent.agent import Limits
+    from infra_agent.scenarios import ScenarioError, resolve
+    from infra_agent.session import BACKENDS, default_backend, make_backend, print_event, render_summary, run_session
     from infra_agent.workspace import GitWorkspace, new_session_id
 
     backend = backend or default_backend()
     if backend not in BACKENDS:
         fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    session = new_session_id()
+    if target and scenario:
+        fail("--scenario applies to the bundled target; an external target carries its own history")
     try:
-        if target and scenario:
-            fail("--scenario applies to the bundled target; an external target carries its own history")
-        ws = (GitWorkspace.external(pathlib.Path(target), session) if target
-              else GitWorkspace.bundled(session, scenario=scenario))
-        be = make_backend(backend, ws, model=model, base_url=base_url, trajectory=trajectory)
-    except ValueError as exc:
+        chosen = resolve(scenario) if scenario else [None]
+    except ScenarioError as exc:
         fail(str(exc))
-    agent = Agent(be, ws, goal, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
-                  on_event=None if as_json else print_event(console))
-    if not as_json:
-        console.print(f"[bold]session {session}[/] on {ws.target_label}, backend {backend}"
-                      + (f" ({be.model})" if getattr(be, "model", None) else "") + f", branch {ws.branch}")
-    try:
-        outcome = agent.run()
-    finally:
-        ws.close()
-    summary = summarise(agent)
-    text = json.dumps(summary, indent=2, default=str)
-    (ws.state_dir / "summary.json").write_text(text)
+    summaries, outcome = [], "finished"
+    for n, sc in enumerate(chosen, 1):
+        session = new_session_id()
+        try:
+            ws = (GitWorkspace.external(pathlib.Path(target), session) if target
+                  else GitWorkspace.bundled(session, scenario=sc.name if sc else None))
+            be = make_backend(backend, ws, model=model, base_url=base_url, trajectory=trajectory)
+        except ValueError as exc:
+            fail(str(exc))
+        if not as_json:
+            if len(chosen) > 1:
+                console.rule(f"scenario {n}/{len(chosen)}: {sc.name}", style="bold")
+            if sc:
+                console.print(f"[bold]{sc.name}[/] ({sc.risk}): {sc.defect.strip()}", highlight=False)
+            console.print(f"[bold]session {session}[/] on {ws.target_label}, backend {backend}"
+                          + (f" ({be.model})" if getattr(be, "model", None) else "") + f", branch {ws.branch}")
+        task = goal or (sc.goal.strip() if sc else DEFAULT_GOAL)
+        outcome, summary = run_session(ws, be, task, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
+                                       on_event=None if as_json else print_event(console), scenario=sc)
+        summaries.append(summary)
+        if not as_json:
+            render_summary(summary, console)
+        if outcome == "interrupted":
+            break
     if as_json:
-        print(text)
-    else:
-        from infra_agent.session import render_summary
+        print(json.dumps(summaries[0] if len(chosen) == 1 else summaries, indent=2, default=str))
+    elif len(chosen) > 1:
+        _render_scenarios_run(summaries)
+    codes = [s["exit_code"] if not s.get("scenario") or s["scenario"]["solved"] != "no" else 1 for s in summaries]
+    raise typer.Exit(130 if outcome == "interrupted" else max(codes))
 
-        render_summary(summary, console)
-    raise typer.Exit(130 if outcome == "interrupted" else summary["exit_code"])
+
+def _render_scenarios_run(summaries: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table("scenario", "risk", "solved", "attempts", title="scenarios", title_justify="left")
+    for s in summaries:
+        sc = s["scenario"]
+        style = "green" if sc["solved"] == "on the branch" else "yellow" if sc["solved"] != "no" else "red"
+        table.add_row(sc["name"], sc["risk"], f"[{style}]{sc['solved']}[/]", str(len(s["attempts"])))
+    console.print(table)
+    items = [i for s in summaries for i in s["scenario"]["review_items"]]
+    if items:
+        console.print(f"held for review: items {', '.join(map(str, items))}; "
+                      "open the queue with: infra-agent review", highlight=False)
+
+
+@app.command("scenarios")
+def scenarios_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List the bundled target's scenarios: the defect, its files, the acceptance criteria, the risk."""
+    from rich.table import Table
+
+    from infra_agent.scenarios import ScenarioError, load_scenarios
+
+    try:
+        known = load_scenarios()
+    except ScenarioError as exc:
+        fail(str(exc))
+    if as_json:
+        import json
+
+        print(json.dumps([sc.model_dump(mode="json", exclude={"patch"}) for sc in known.values()], indent=2))
+        return
+    table = Table("scenario", "defect", "files", "acceptance", "risk")
+    for sc in known.values():
+        table.add_row(sc.name, sc.defect.strip(), "\n".join(sc.files), "\n".join(sc.acceptance), sc.risk)
+    console.print(table)
+    console.print("run one with: infra-agent run --scenario NAME (or --scenario all)", highlight=False)
 
 
 sessions_app = typer.Typer(help="Agent sessions: their branches, attempts and trajectories.", no_args_is_help=True)

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from feedback.models import ProbeResult
-from feedback.verdict import replay_regressions
+from feedback.verdict import judged_by_performance, replay_regressions
 
 if TYPE_CHECKING:
     from infra_agent import Workspace
@@ -230,9 +230,16 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                                 reason=f"the manifest no longer has probe(s) {', '.join(missing)}",
                                 duration_s=time.perf_counter() - t0)
         ids = [p.id for p in rec.probes]
-        report = judge(tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False) if ids else None
+        # performance is judged against the base rebuilt beside it, in the same run: the recorded
+        # numbers are from another day and machine load
+        base = None
+        if any(judged_by_performance(p.kind) for p in rec.probes):
+            base = rebuild_base(rec.base, pathlib.Path(tmp) / "base")
+        report = judge(tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
+                       baseline_label="the record's base" if base else None) if ids else None
     regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes],
-                                            report.results if report else [], report.acceptance if report else [])
+                                            report.results if report else [], report.acceptance if report else [],
+                                            against_base=report.comparisons if report and base else None)
     status = "regressed" if regressed else "pass"
     reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
     return ReplayResult(record=rec.id, path=str(path), status=status, reason=reason, details=details,

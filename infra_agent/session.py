@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from rich.console import Console
 from rich.table import Table
 
-from infra_agent.agent import Agent
+from infra_agent.agent import Agent, Limits
+from infra_agent.scenarios import Scenario
 from infra_agent.trajectory import KEY_VARS
 
 BACKENDS = ("offline", "openai", "replay")
@@ -72,7 +74,38 @@ def print_event(console: Console):
     return on_event
 
 
-def summarise(agent: Agent) -> dict:
+def run_session(ws, backend, goal: str, limits: Limits, jobs: int = 2, on_event=None,
+                scenario: Scenario | None = None) -> tuple[str, dict]:
+    """One agent session to its end (the workspace's worktrees removed after); the summary is written
+    to the session's folder and returned with the outcome."""
+    agent = Agent(backend, ws, goal, limits, jobs=jobs, on_event=on_event)
+    try:
+        outcome = agent.run()
+        summary = summarise(agent, scenario)  # the scenario's criteria read the manifest of the live baseline
+    finally:
+        ws.close()
+    (ws.state_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return outcome, summary
+
+
+def scenario_outcome(agent: Agent, scenario: Scenario) -> dict:
+    """Whether the scenario's acceptance holds on the session branch (fixes accepted there) or on a
+    candidate held for review (fixes waiting for a person), criterion by criterion."""
+    manifest = agent.ws.manifest()
+    branch = scenario.check(manifest, agent.feedback) if agent.feedback else []
+    held = [(a, scenario.check(manifest, a.report)) for a in agent.attempts if a.decision == "held" and a.report]
+    holds = lambda results: bool(results) and all(c.holds for c in results)  # noqa: E731
+    solved = "on the branch" if holds(branch) else next(
+        (f"held for review (item {a.review_id})" for a, res in held if holds(res)), "no")
+    best = next((res for a, res in held if holds(res)), held[-1][1] if held else [])
+    return {"name": scenario.name, "risk": scenario.risk, "solved": solved,
+            "acceptance": [{"expr": b.expression, "branch": b.value, "branch_holds": b.holds,
+                            "held": h.value if h else None, "held_holds": h.holds if h else None}
+                           for b, h in zip(branch, best or [None] * len(branch), strict=False)],
+            "review_items": [a.review_id for a, _ in held]}
+
+
+def summarise(agent: Agent, scenario: Scenario | None = None) -> dict:
     initial, final = agent.initial, agent.feedback
     failing_before = [r.probe for r in initial.results if not r.ok] if initial else []
     failing_after = [r.probe for r in final.results if not r.ok] if final else []
@@ -102,18 +135,29 @@ def summarise(agent: Agent) -> dict:
         "trajectory": str(agent.trajectory.path),
         "exit_code": 0 if agent.outcome == "finished" and not unaddressed else 1,
         "api_key_env": [v for v in KEY_VARS if os.environ.get(v)],
+        "scenario": scenario_outcome(agent, scenario) if scenario else None,
     }
 
 
 def render_summary(s: dict, console: Console) -> None:
-    table = Table(title=f"session {s['session']}: {s['outcome']} after {s['steps']} step(s)", title_justify="left")
-    for col in ("step", "playbook", "verdict", "decision", "evidence"):
-        table.add_column(col)
-    for a in s["attempts"]:
-        style = {"accepted": "green", "held": "yellow"}.get(a["decision"], "red")
-        table.add_row(str(a["step"]), a["playbook"] or "-", a["verdict"], f"[{style}]{a['decision']}[/]",
-                      "\n".join([a["reason"], *a["deltas"][:3]]))
-    console.print(table)
+    title = f"session {s['session']}: {s['outcome']} after {s['steps']} step(s)"
+    if console.width < 110:  # a narrow terminal: one block per attempt, every metric name whole
+        console.print(f"[bold]{title}[/]", highlight=False)
+        for a in s["attempts"]:
+            style = {"accepted": "green", "held": "yellow"}.get(a["decision"], "red")
+            console.print(f"step {a['step']} {a['playbook'] or '-'}: {a['verdict']} -> [{style}]{a['decision']}[/]",
+                          highlight=False)
+            for line in [a["reason"], *a["deltas"][:3]]:
+                console.print(f"  {line}", highlight=False, soft_wrap=True)
+    else:
+        table = Table(title=title, title_justify="left")
+        for col in ("step", "playbook", "verdict", "decision", "evidence"):
+            table.add_column(col, overflow="fold")
+        for a in s["attempts"]:
+            style = {"accepted": "green", "held": "yellow"}.get(a["decision"], "red")
+            table.add_row(str(a["step"]), a["playbook"] or "-", a["verdict"], f"[{style}]{a['decision']}[/]",
+                          "\n".join([a["reason"], *a["deltas"][:3]]))
+        console.print(table)
     console.print(f"attempts {len(s['attempts'])}: accepted {s['accepted']}, held for review {s['held']}, "
                   f"rejected {s['rejected']}; branch {s['branch']} at {s['head'][:10]}")
     if s["failing_before"]:
@@ -123,4 +167,12 @@ def render_summary(s: dict, console: Console) -> None:
                      if set(s["failing_after"]) - set(s["unaddressed"]) else ""))
     if s["summary"]:
         console.print(f"agent: {s['summary']}", soft_wrap=True, highlight=False)
+    if s.get("scenario"):
+        sc = s["scenario"]
+        console.print(f"scenario {sc['name']} ({sc['risk']}): solved {sc['solved']}", highlight=False)
+        for c in sc["acceptance"]:
+            fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
+            console.print(f"  {c['expr']}: branch {fmt(c['branch'])}, held {fmt(c['held'])}", highlight=False)
+        if sc["review_items"]:
+            console.print(f"  approve with: infra-agent review approve {sc['review_items'][-1]}", highlight=False)
     console.print(f"[dim]trajectory {s['trajectory']}[/]")

@@ -1,13 +1,16 @@
 import os
+import pathlib
 
 # Kernels run in Triton's interpreter on machines without a GPU; outputs are poisoned (NaN)
 # before every kernel run so a kernel that skips work cannot pass on stale memory.
 os.environ.setdefault("TARGET_STACK_POISON", "1")
 
+import git
 import pytest
 import torch
 
 import target_stack.ops  # noqa: F401  (decides TRITON_INTERPRET before triton is imported)
+from tests.support.toy_harness import TOY_MANIFEST, TOY_PROBES
 
 
 @pytest.fixture
@@ -17,3 +20,19 @@ def gen() -> torch.Generator:
     g = torch.Generator().manual_seed(seed)
     print(f"input seed: {seed}")
     return g
+
+
+@pytest.fixture
+def toy(tmp_path) -> pathlib.Path:
+    """A git repository of the harness's toy target (tests/support/toy_harness.py)."""
+    root = tmp_path / "toy_target"
+    (root / "toy").mkdir(parents=True)
+    (root / "toy" / "__init__.py").write_text("")
+    (root / "toy" / "probes.py").write_text(TOY_PROBES)
+    (root / "toy" / "value.txt").write_text("1")
+    (root / "toy" / "core.py").write_text("def core():\n    return 1\n")
+    (root / "infra-agent.yaml").write_text(TOY_MANIFEST)
+    repo = git.Repo.init(root)
+    repo.index.add(["toy/__init__.py", "toy/probes.py", "toy/value.txt", "toy/core.py", "infra-agent.yaml"])
+    repo.index.commit("toy target", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    return root

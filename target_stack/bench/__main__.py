@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="the transfer thread's copies: a gather-scatter per cache tensor, one torch copy per "
                             "page, or one native copy per page (default: %(default)s)")
     serve.add_argument("--compare-gil", action="store_true",
-                       help="also run the disaggregated part with scenarios/gil-hold.patch applied")
+                       help="also run the disaggregated part with scenarios/gil-kv-transfer.patch applied")
     serve.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/serve.json"),
                        help="where to write the JSON result (default: %(default)s)")
     serve.add_argument("--print-json", action="store_true", help="print the JSON result as the last stdout line")

@@ -13,7 +13,7 @@ Reported, on the same workload:
   transfer cost; that number, with decode running, is reported beside it); with the exposed
   transfer (prefill done -> transfer done) and the pool accounting of every worker;
 - ``--compare-gil``: the disaggregated part again in a scratch copy of target_stack with
-  ``scenarios/gil-hold.patch`` applied (the native MoE dispatch loaded so that it holds the GIL).
+  ``scenarios/gil-kv-transfer.patch`` applied (the native MoE dispatch loaded so that it holds the GIL).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def run(preset: str, workload_spec: str, stages: int, only: str | None, compare_
     if only in (None, "disagg"):
         result["disagg"] = run_disagg(preset, workload, stages, repeats, disagg_device, copy)
     if compare_gil:
-        result["disagg_gil_held"] = run_disagg_in_scenario("gil-hold", preset, workload_spec, stages, repeats,
+        result["disagg_gil_held"] = run_disagg_in_scenario("gil-kv-transfer", preset, workload_spec, stages, repeats,
                                                            disagg_device, copy)
     if not print_json:
         table = Table(title=f"serve: preset={preset}, {workload_spec}")

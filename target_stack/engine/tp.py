@@ -119,7 +119,7 @@ def _check(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_check, args=(args.world, _free_port(), out_dir), nprocs=args.world, join=True)
+        mp.spawn(_check, args=(args.world, free_port(), out_dir), nprocs=args.world, join=True)
         results = [json.loads(pathlib.Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.world)]
     ok = all(r[k] < 1e-5 for r in results for k in ("prefill", "decode", "lm_head"))
     print(json.dumps({"ok": ok, "ranks": results}))

@@ -86,9 +86,13 @@ def pool_accounting(ctx: ProbeContext) -> None:
     ctx.metric("leaked_slots", len(leaks["slots"]) + usage["slots_used"], better="lower")
     ctx.check(tight.preemptions > 0, "the workload did not force a preemption (probe parameters too loose)",
               file=SCHEDULER, symbol="Scheduler.schedule", condition=f"num_pages={p['num_pages']}")
-    ctx.check(not leaks["pages"] and not usage["pages_used"], f"pages still held after the run: {leaks['pages']}",
+    ctx.check(not leaks["pages"] and not usage["pages_used"],
+              f"pages still held after the run: {usage['pages_used']} in use, by sequences no longer live: "
+              f"{leaks['pages'] or 'none'}",
               file="target_stack/engine/cache.py", symbol="FreeList", condition="after preemption and cancel")
-    ctx.check(not leaks["slots"] and not usage["slots_used"], f"state slots still held: {leaks['slots']}",
+    ctx.check(not leaks["slots"] and not usage["slots_used"],
+              f"state slots still held: {usage['slots_used']} in use, by sequences no longer live: "
+              f"{leaks['slots'] or 'none'}",
               file="target_stack/engine/cache.py", symbol="FreeList", condition="after preemption and cancel")
     ctx.check(outs[extra].finish_reason == "cancelled", "a cancelled request did not finish as cancelled",
               file=ENGINE, symbol="LLMEngine.cancel")

@@ -210,12 +210,19 @@ def _check_sparse_attention(ctx: ProbeContext, chk: Checker, draw: Draw) -> None
     qb, iqb = draw.randn(B, H, D), draw.randn(B, Di)
     for b, n in enumerate(lengths.tolist()):
         kb[b, :n], vb[b, :n], ikb[b, :n] = k[:n], v[:n], ik[:n]
-    where = dict(file=LAYERS, symbol="sparse_decode_attention", condition=f"{cond}, lengths {lengths.tolist()}")
+        # the window's oldest key in a block the indexer never picks: only the window rule keeps it,
+        # so a window one key short or long shows whatever the random scores choose
+        edge = n - window
+        if edge >= 0 and edge // blk != (n - 1) // blk:
+            lo = (edge // blk) * blk
+            ikb[b, lo:lo + blk] = -iqb[b] * 10
+    where = dict(file=LAYERS, symbol="sparse_decode_attention", condition=f"{cond}, lengths {lengths.tolist()}, "
+                 "the window's oldest key in a block the indexer drops")
     with chk.guard(**where), torch.no_grad():
         out = sparse_decode_attention(qb, kb, vb, iqb, ikb, lengths.to(dev), blk, top_k, window)
         for b, n in enumerate(lengths.tolist()):
             o_ref, m, _ = ref.sparse_attention(f64(qb[b:b + 1]), f64(k[:n]), f64(v[:n]), f64(iqb[b:b + 1]),
-                                               f64(ik[:n]), torch.tensor([n - 1]), blk, top_k, window)
+                                               f64(ikb[b, :n]), torch.tensor([n - 1]), blk, top_k, window)
             if m.item() > MARGIN:
                 chk.compare(out[b:b + 1], o_ref, f"decode attention of a sequence of {n}", **where)
 

@@ -44,7 +44,7 @@ class _Watch:
         self.admitted: dict[int, int] = {}  # sequence id -> admission number (re-admission renumbers)
         self.counter = itertools.count()
         self.seen = seen  # shared by the runs: each broken promise reported once
-        self.decisions = self.preempted = self.hits = 0
+        self.decisions = self.preempted = self.hits = self.refused_hits = 0
         schedule, release = self.sched.schedule, self.sched.release
         self.sched.schedule = lambda: self._schedule(schedule)
         self.sched.release = lambda seq: self._release(release, seq)
@@ -58,7 +58,13 @@ class _Watch:
     def _schedule(self, schedule):
         self.queue_errors()
         queued = list(self.sched.waiting)
+        prefix = self.engine.prefix
+        head = queued[0] if queued else None
+        head_hit = (head is not None and head.swapped is None and head.prompt_embeds is None and prefix is not None
+                    and prefix.match(head.prompt) is not None)
         plan = schedule()
+        if head_hit and head in self.sched.waiting:
+            self.refused_hits += 1  # an admission that took prefix references and was refused
         self.decisions += 1
         admitted = plan.resumed + plan.prefill
         ids = {s.id for s in admitted}
@@ -151,6 +157,42 @@ class _Watch:
             self.fail("Scheduler.release", "stray", f"pages held for sequences that are not running: {dict(stray)}")
 
 
+def _refused_admission_with_a_hit(ctx: ProbeContext, model: HybridModel, p: dict, seen: set) -> int:
+    """A deterministic case of what the random runs reach only sometimes: a prompt extending a cached
+    stem arrives while a long sequence holds most pages, so its admission takes the stem's references,
+    evicts the entry, still lacks pages and is refused; the books are checked right after."""
+    ps, usable = p["page_size"], p["num_pages"] - 1
+    engine = LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=ps,
+                       max_model_len=p["max_model_len"], prefix_cache=True, prefix_entries=p.get("entries", 4),
+                       max_batch=p.get("max_batch", 8))
+    watch = _Watch(ctx, engine, seen)
+    gen = fresh_generator()
+    vocab = model.cfg.vocab
+    draw = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    stem = draw(2 * ps)
+    engine.generate([stem + draw(1)], SamplingParams(max_tokens=1))  # the stem's two pages are cached
+    free = usable - 2
+    long_len = (free - 2) * ps - 1  # leaves two pages free once it runs
+    long_id = engine.add_request(draw(long_len), SamplingParams(max_tokens=min(8, p["max_model_len"] - long_len - 1)))
+    engine.step()
+    late = engine.add_request(stem + draw(5 * ps), SamplingParams(max_tokens=1))  # needs 4 more pages than free
+    before = watch.refused_hits
+    engine.step()
+    refused = watch.refused_hits - before
+    if not refused and engine.seqs.get(late) is not None and engine.seqs[late].status.value == "running":
+        return 0  # admitted after all (a different page budget): nothing refused to check
+    while engine.has_unfinished():
+        engine.step()
+    watch.books()
+    engine.prefix.clear()
+    leaks = engine.leaks()
+    if any(leaks.values()) or engine.pages.used or engine.slots.used:
+        watch.fail("Scheduler.schedule", "refused-end", f"after a refused admission with a prefix hit and the "
+                   f"cache cleared, {engine.pages.used} pages are held: {leaks}")
+    del long_id
+    return refused
+
+
 def _prompts(gen: torch.Generator, vocab: int, p: dict) -> list[list[int]]:
     """Prompts of random lengths, half of them extending a shared stem (prefix-cache hits)."""
     stem = torch.randint(0, vocab, (p["stem"],), generator=gen).tolist()
@@ -171,7 +213,7 @@ def scheduler_contract(ctx: ProbeContext) -> None:
     p = ctx.params
     model = HybridModel("tiny")
     gen = fresh_generator()
-    preempted = hits = decisions = 0
+    preempted = hits = decisions = refused = 0
     seen: set[tuple[str, str]] = set()
     for run in range(p.get("runs", 3)):
         engine = LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=p["page_size"],
@@ -204,11 +246,16 @@ def scheduler_contract(ctx: ProbeContext) -> None:
             watch.fail("Scheduler.release", "end", f"after the run and clearing the prefix cache, {engine.pages.used} "
                        f"pages and {engine.slots.used} slots are held: {leaks}")
         preempted, hits, decisions = preempted + watch.preempted, hits + watch.hits, decisions + watch.decisions
+        refused += watch.refused_hits
+    refused += _refused_admission_with_a_hit(ctx, model, p, seen)
     ctx.metric("decisions", decisions)
     ctx.metric("preemptions", preempted)
     ctx.metric("prefix_hits", hits)
+    ctx.metric("refused_with_prefix_hit", refused)
     ctx.metric("broken_promises", len(ctx.findings), better="lower")
     ctx.check(preempted > 0, "no run preempted: the probe's pages are too many to test preemption",
               file=SCHEDULER, symbol="Scheduler.schedule", condition=f"num_pages={p['num_pages']}")
+    ctx.check(refused > 0, "no admission that had taken prefix-cache references was refused: the probe tests "
+              "no refusal's cleanup", file=SCHEDULER, symbol="Scheduler.schedule")
     ctx.check(hits > 0, "no prefill hit the prefix cache: the probe's prompts test no shared pages",
               file=PREFIX, symbol="PrefixCache.match")

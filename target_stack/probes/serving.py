@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import tempfile
 
 import torch
@@ -351,12 +350,6 @@ def _tp_rank(rank: int, world: int, port: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @probe(kind="correctness")
 def tensor_parallel(ctx: ProbeContext) -> None:
     """Two real ranks over gloo: the head-sharded KDA layer (prefill, decode with the local states)
@@ -364,6 +357,7 @@ def tensor_parallel(ctx: ProbeContext) -> None:
     (gloo runs on the CPU; the sharding logic is the same on NCCL.)"""
     import torch.multiprocessing as mp
 
+    from target_stack.engine.tp import free_port
     from target_stack.model.kda_layer import KDALayer
 
     p = ctx.params
@@ -381,7 +375,7 @@ def tensor_parallel(ctx: ProbeContext) -> None:
         with chk.guard(file=TP, symbol="TensorParallelKDA / VocabParallelHead", condition=f"world={world}"):
             # fork: the ranks start in milliseconds (this process is single-threaded and has no CUDA state)
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            mp.start_processes(_tp_rank, args=(world, _free_port(), folder), nprocs=world, start_method=method)
+            mp.start_processes(_tp_rank, args=(world, free_port(), folder), nprocs=world, start_method=method)
         results = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)
                    if os.path.exists(os.path.join(folder, f"rank{r}.pt"))]
     ctx.check(len(results) == world, f"{world - len(results)} of {world} ranks wrote no result", file=TP)

@@ -14,11 +14,13 @@ import time
 import git
 import pytest
 
+from feedback.state import StateDir
 from infra_agent.agent import Agent, Limits
 from infra_agent.backends.openai_backend import OpenAIBackend
 from infra_agent.review import AlreadySettled, ReviewQueue, apply_approved
 from infra_agent.workspace import GitWorkspace
-from tests.test_agent import FIX, ScriptedServer, _call, _env_without_keys, make_toy, ok
+from tests.support.chat import ScriptedServer, ok, tool_call
+from tests.support.toy_agent import FIX, env_without_keys, make_toy
 
 RISKY_FIX = FIX.replace("+    return 1.0", "+    return 1.0  # within tolerance")
 
@@ -38,6 +40,22 @@ def test_settled_once_and_the_second_reviewer_is_told_who_and_when(tmp_path):
         q.settle(i, "rejected", "bob", reason="no")
     with pytest.raises(ValueError, match="needs a reason"):
         q.settle(_item(q), "rejected", "bob", reason=" ")
+
+
+def test_the_interactive_queue_shows_its_choices_and_records_a_rejection(tmp_path):
+    """A person at the terminal: open the item, read the prompt (its brackets are text, not markup),
+    reject with a reason; the queue has the decision and the reviewer."""
+    q = ReviewQueue(StateDir.of(tmp_path).review_db)
+    _item(q, hypothesis="loosen the merge tolerance")
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "--target", str(tmp_path), "--reviewer",
+                          "carol"], input="1\nr\nthe tolerance hides the tf32 error\nq\n", capture_output=True,
+                         text=True, timeout=120, env={**env_without_keys(), "COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    assert "[a]pprove, [r]eject, [s]kip" in out.stdout, out.stdout
+    item = q.get(1)
+    assert item.state == "rejected" and item.settled_by == "carol"
+    assert item.reason == "the tolerance hides the tf32 error"
+    assert "no pending items" in out.stdout
 
 
 RACE = textwrap.dedent("""
@@ -103,8 +121,8 @@ def test_a_process_killed_while_writing_the_queue_corrupts_and_loses_nothing(tmp
 def _held_session(tmp_path, monkeypatch):
     root = make_toy(tmp_path / "toy_target")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-review-0123456789")
-    with ScriptedServer([ok(_call("propose_patch", hypothesis="compute is off by 0.5", diff=RISKY_FIX)),
-                         ok(_call("finish", summary="held"))]) as server:
+    with ScriptedServer([ok(tool_call("propose_patch", hypothesis="compute is off by 0.5", diff=RISKY_FIX)),
+                         ok(tool_call("finish", summary="held"))]) as server:
         ws = GitWorkspace.external(root, "sess")
         agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "fix it", Limits(max_steps=4))
         agent.run()
@@ -120,7 +138,7 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
     before = repo.heads[ws.branch].commit.hexsha
     out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "approve", "1", "--target", str(root),
                           "--reviewer", "carol", "--comment", "numerically fine", "--json"],
-                         capture_output=True, text=True, env=_env_without_keys())
+                         capture_output=True, text=True, env=env_without_keys())
     assert out.returncode == 0, out.stderr
     item = json.loads(out.stdout)
     assert item["state"] == "applied" and item["settled_by"] == "carol"
@@ -134,7 +152,7 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
     assert (rec.decision.status, rec.decision.by, rec.decision.reason) == ("approved", "carol", "numerically fine")
     assert rec.decision.commit == item["applied_commit"] and rec.verdict == "better"
     again = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
-                            "--reason", "late"], capture_output=True, text=True, env=_env_without_keys())
+                            "--reason", "late"], capture_output=True, text=True, env=env_without_keys())
     assert again.returncode == 2 and "item 1 was already applied by carol at" in again.stderr
 
 
@@ -159,14 +177,14 @@ def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
     root, ws = _held_session(tmp_path, monkeypatch)
     out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
                           "--reason", "changes the tolerance semantics", "--reviewer", "erin"],
-                         capture_output=True, text=True, env=_env_without_keys())
+                         capture_output=True, text=True, env=env_without_keys())
     assert out.returncode == 0, out.stderr
     from infra_agent.experiments import load_record
 
     rec = load_record(ReviewQueue(root / ".infra-agent" / "review.db").get(1).experiment)
     assert (rec.decision.status, rec.decision.by, rec.decision.reason) == ("rejected", "erin",
                                                                            "changes the tolerance semantics")
-    with ScriptedServer([ok(_call("finish", summary="ok"))]) as server:
+    with ScriptedServer([ok(tool_call("finish", summary="ok"))]) as server:
         ws2 = GitWorkspace.external(root, "next")
         agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws2, "again", Limits(max_steps=2))
         agent.run()

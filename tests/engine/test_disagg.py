@@ -23,7 +23,7 @@ from target_stack.engine import LLMEngine, RequestError, SamplingParams
 from target_stack.engine.disagg import DisaggCluster
 from target_stack.model.image import encode_ppm
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _prompts(gen: torch.Generator, lengths: list[int]) -> list[list[int]]:
@@ -144,7 +144,7 @@ def test_gil_hold_scenario_applies_and_the_release_playbook_transform_undoes_it(
     from playbooks.transforms import pydll_to_cdll
     from target_stack.bench.serve import _scenario_copy
 
-    root = _scenario_copy("gil-hold")
+    root = _scenario_copy("gil-kv-transfer")
     try:
         src = (root / "target_stack/ops/moe/native/__init__.py").read_text()
         assert "ctypes.PyDLL(str(build()))" in src and "ctypes.CDLL(str(build()))" not in src
@@ -179,7 +179,7 @@ def _stall_ratio(root: pathlib.Path, params: dict) -> dict:
 
 
 def test_the_events_probe_separates_a_gil_holding_dispatch_from_a_releasing_one():
-    """The dense signal for the gil-hold scenario: in the patched tree no other Python thread runs
+    """The dense signal for the gil-kv-transfer scenario: in the patched tree no other Python thread runs
     during a native MoE call (the GIL sampler sits out all of it) and the probe says so; in this tree
     the sampler runs through the calls and KV-transfer stages move beside them.  The held tree's stage
     waits are reported but not asserted: whether a stage is still in flight when the call starts is a
@@ -188,7 +188,7 @@ def test_the_events_probe_separates_a_gil_holding_dispatch_from_a_releasing_one(
 
     manifest = yaml.safe_load((ROOT / "target_stack/infra-agent.yaml").read_text())
     params = next(p for p in manifest["probes"] if p["id"] == "engine.kv_transfer.events")["params"]
-    held_root = _scenario_copy("gil-hold")
+    held_root = _scenario_copy("gil-kv-transfer")
     try:
         released = _stall_ratio(ROOT, params)
         held = _stall_ratio(held_root, params)

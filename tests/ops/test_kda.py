@@ -18,7 +18,7 @@ from target_stack.ops.kda import (
 from target_stack.ops.kda.testing import DEVICE, make_inputs, rel_err
 
 TOL = 1e-5
-OPS_DIR = pathlib.Path(__file__).resolve().parents[1] / "target_stack" / "ops"
+OPS_DIR = pathlib.Path(__file__).resolve().parents[2] / "target_stack" / "ops"
 
 
 def ref64(q, k, v, g, beta, h0=None, scale=None):
@@ -249,3 +249,17 @@ def test_every_tl_dot_states_its_input_precision():
     missing = [f"{f.relative_to(OPS_DIR)}:{c.lineno}" for f, c in calls
                if not any(kw.arg == "input_precision" for kw in c.keywords)]
     assert not missing, f"tl.dot without input_precision: {missing}"
+
+
+def test_the_demo_runs_the_kernels_against_their_references():
+    """``python -m target_stack.demo``: every kernel passes, and the CP merge table has all three precisions."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "target_stack.demo", "--tokens", "64"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "all kernels match their references" in proc.stdout
+    assert all(p in proc.stdout for p in ("tf32x3", "ieee", "chunk_kda_cp P=4"))
+    bad = subprocess.run([sys.executable, "-m", "target_stack.demo", "--tokens", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--tokens must be at least 16" in bad.stderr

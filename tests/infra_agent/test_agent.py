@@ -7,8 +7,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import git
 import pytest
@@ -21,128 +19,8 @@ from infra_agent.backends.openai_backend import OpenAIBackend
 from infra_agent.backends.replay import ReplayBackend
 from infra_agent.patch import Patch, PatchError, PatchRefused
 from infra_agent.workspace import GitWorkspace
-
-ACTOR = git.Actor("t", "t@t")
-MERGE = "tl.dot(b_M, b_h, input_precision=MERGE_PRECISION)"
-
-
-# --- a scripted chat-completions server ---------------------------------------------------------
-
-
-class ScriptedServer:
-    """Speaks POST /v1/chat/completions; each request takes the next scripted reply."""
-
-    def __init__(self, script: list):
-        self.script = list(script)
-        self.requests: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):  # keep test output clean
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
-                status, payload = outer.script.pop(0) if outer.script else (200, _call("finish", summary="done"))
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-
-
-_n = [0]
-
-
-def _completion(message: dict) -> dict:
-    _n[0] += 1
-    return {"id": f"cmpl-{_n[0]}", "object": "chat.completion", "created": 0, "model": "glm-test",
-            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": message}],
-            "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}}
-
-
-def _call(name: str, raw_args: str | None = None, **args) -> dict:
-    _n[0] += 1
-    return _completion({"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"call_{_n[0]}", "type": "function",
-         "function": {"name": name, "arguments": raw_args if raw_args is not None else json.dumps(args)}}]})
-
-
-def ok(payload: dict) -> tuple[int, dict]:
-    return 200, payload
-
-
-# --- targets ----------------------------------------------------------------------------------------
-
-TOY_MANIFEST = """
-schema_version: 1
-name: toy
-probes:
-  - id: toy.value
-    kind: correctness
-    entry: "toy.probes:value"
-    covers: {files: ["toy/*.py"]}
-    thresholds: {error: {max: 0.01}}
-risk:
-  - {id: toy.numerics, category: numerics, paths: ["toy/**"], pattern: "tolerance"}
-protected: [toy/probes.py]
-"""
-TOY_PROBES = """
-from feedback.probe import probe
-from toy import core
-
-@probe
-def value(ctx):
-    ctx.metric("error", abs(core.compute() - 1.0), better="lower")
-"""
-
-
-def make_toy(root: pathlib.Path) -> pathlib.Path:
-    (root / "toy").mkdir(parents=True)
-    (root / "toy" / "__init__.py").write_text("")
-    (root / "toy" / "core.py").write_text("def compute():\n    return 1.5\n")
-    (root / "toy" / "probes.py").write_text(TOY_PROBES)
-    (root / "infra-agent.yaml").write_text(TOY_MANIFEST)
-    (root / ".gitignore").write_text(".infra-agent/\n__pycache__/\n")
-    repo = git.Repo.init(root, initial_branch="main")
-    repo.git.add(A=True)
-    repo.index.commit("toy", author=ACTOR, committer=ACTOR)
-    return root
-
-
-FIX = """--- a/toy/core.py
-+++ b/toy/core.py
-@@ -1,2 +1,2 @@
- def compute():
--    return 1.5
-+    return 1.0
-"""
-
-
-def clean_and_on_main(root: pathlib.Path) -> None:
-    repo = git.Repo(root)
-    assert repo.active_branch.name == "main"
-    assert not repo.is_dirty(untracked_files=True), repo.git.status()
-    assert (root / "toy" / "core.py").read_text() == "def compute():\n    return 1.5\n"
-
-
-# --- patch validation -----------------------------------------------------------------------------
+from tests.support.chat import ScriptedServer, completion, ok, tool_call
+from tests.support.toy_agent import ACTOR, FIX, MERGE, TOY_MANIFEST, clean_and_on_main, env_without_keys, make_toy
 
 
 def test_patch_parse_refuses_protected_and_outside_paths(tmp_path):
@@ -160,24 +38,21 @@ def test_patch_parse_refuses_protected_and_outside_paths(tmp_path):
         Patch.parse("please change line 2", m)
 
 
-# --- the openai backend against a scripted server ---------------------------------------------------
-
-
 def test_openai_backend_survives_malformed_output_and_writes_nothing_outside_worktrees(tmp_path, monkeypatch):
     root = make_toy(tmp_path / "toy_target")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-abcdefghijklmnop123456")
     monkeypatch.delenv("ZAI_API_KEY", raising=False)
     script = [
-        ok(_call("read_file", path="toy/core.py")),
-        ok(_call("read_file", raw_args='{"path": "toy/core.py"')),                      # invalid JSON
-        ok(_call("rm_rf", path="/")),                                                    # unknown tool
-        ok(_call("propose_patch", hypothesis="h", diff=FIX.replace("return 1.5", "return 9.5"))),  # does not apply
-        ok(_call("propose_patch", hypothesis="h", diff=FIX.replace("toy/core.py", "../core.py"))),  # ..
-        ok(_call("propose_patch", hypothesis="h", diff=FIX.replace("toy/core.py", "toy/probes.py"))),  # protected
-        ok(_completion({"role": "assistant", "content": "x" * 250_000})),                 # enormous, no tool call
+        ok(tool_call("read_file", path="toy/core.py")),
+        ok(tool_call("read_file", raw_args='{"path": "toy/core.py"')),                      # invalid JSON
+        ok(tool_call("rm_rf", path="/")),                                                    # unknown tool
+        ok(tool_call("propose_patch", hypothesis="h", diff=FIX.replace("return 1.5", "return 9.5"))),  # does not apply
+        ok(tool_call("propose_patch", hypothesis="h", diff=FIX.replace("toy/core.py", "../core.py"))),  # ..
+        ok(tool_call("propose_patch", hypothesis="h", diff=FIX.replace("toy/core.py", "toy/probes.py"))),  # protected
+        ok(completion({"role": "assistant", "content": "x" * 250_000})),                 # enormous, no tool call
         (500, {"error": {"message": "overloaded", "type": "server_error"}}),              # a 500, then ...
-        ok(_call("propose_patch", hypothesis="compute returns 1.5; the probe wants 1.0", diff=FIX)),  # ... success
-        ok(_call("finish", summary="fixed compute")),
+        ok(tool_call("propose_patch", hypothesis="compute returns 1.5; the probe wants 1.0", diff=FIX)),  # ... success
+        ok(tool_call("finish", summary="fixed compute")),
     ]
     with ScriptedServer(script) as server:
         ws = GitWorkspace.external(root, "s1")
@@ -219,10 +94,10 @@ def test_openai_backend_drives_the_bundled_target(tmp_path, monkeypatch):
     no = next(i for i, ln in enumerate(lines, 1) if MERGE in ln)
     diff = (f"--- a/{cp}\n+++ b/{cp}\n@@ -{no},1 +{no},1 @@\n-{lines[no - 1]}\n"
             f"+{lines[no - 1]}  # the chain is an fp32 affine recurrence\n")
-    script = [ok(_call("read_file", path=cp, start=no - 2, end=no + 2)),
-              ok(_call("run_probes", ids=["kda.static.dot_precision"])),
-              ok(_call("propose_patch", hypothesis="document the merge chain", diff=diff)),
-              ok(_call("finish", summary="ok"))]
+    script = [ok(tool_call("read_file", path=cp, start=no - 2, end=no + 2)),
+              ok(tool_call("run_probes", ids=["kda.static.dot_precision"])),
+              ok(tool_call("propose_patch", hypothesis="document the merge chain", diff=diff)),
+              ok(tool_call("finish", summary="ok"))]
     with ScriptedServer(script) as server:
         agent = Agent(OpenAIBackend(model="glm-test", base_url=server.url), ws, "look around",
                       Limits(max_steps=6))
@@ -237,9 +112,6 @@ def test_openai_backend_drives_the_bundled_target(tmp_path, monkeypatch):
     # a comment changes no number: unchanged, discarded; but the gate saw a numerics line
     assert attempt.verdict == "unchanged" and attempt.decision == "discarded"
     assert any("numerics" in r for r in attempt.risk)
-
-
-# --- offline backend end to end ---------------------------------------------------------------------
 
 
 def test_offline_backend_fixes_an_injected_tf32_merge_through_the_playbook(tmp_path):
@@ -268,9 +140,9 @@ def test_offline_backend_fixes_an_injected_tf32_merge_through_the_playbook(tmp_p
 def test_replay_backend_replays_a_recorded_session(tmp_path, monkeypatch):
     root = make_toy(tmp_path / "toy_target")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-replay-0123456789")
-    with ScriptedServer([ok(_call("read_file", path="toy/core.py")),
-                         ok(_call("propose_patch", hypothesis="fix", diff=FIX)),
-                         ok(_call("finish", summary="done"))]) as server:
+    with ScriptedServer([ok(tool_call("read_file", path="toy/core.py")),
+                         ok(tool_call("propose_patch", hypothesis="fix", diff=FIX)),
+                         ok(tool_call("finish", summary="done"))]) as server:
         ws = GitWorkspace.external(root, "rec")
         Agent(OpenAIBackend(model="m", base_url=server.url), ws, "g").run()
         ws.close()
@@ -280,34 +152,6 @@ def test_replay_backend_replays_a_recorded_session(tmp_path, monkeypatch):
     ws2.close()
     assert [(a.verdict, a.decision) for a in agent.attempts] == [("better", "accepted")]
     assert git.Repo(root).git.show(f"{ws2.branch}:toy/core.py").endswith("return 1.0")
-
-
-def test_run_cli_offline_on_a_clean_target_and_sessions(tmp_path):
-    root = make_toy(tmp_path / "toy_target")
-    (root / "toy" / "core.py").write_text("def compute():\n    return 1.0\n")
-    git.Repo(root).git.commit("-qam", "correct", author="t <t@t>")
-    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(root), "--backend",
-                          "offline", "--json"], capture_output=True, text=True, env=_env_without_keys())
-    assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["outcome"] == "finished" and summary["failing_after"] == [] and summary["backend"] == "offline"
-    listed = subprocess.run([sys.executable, "-m", "infra_agent.cli", "sessions", "list", "--target", str(root),
-                             "--json"], capture_output=True, text=True, env=_env_without_keys())
-    (session,) = json.loads(listed.stdout)
-    assert session["session"] == summary["session"] and session["summary"]["outcome"] == "finished"
-    bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(tmp_path),
-                          "--backend", "offline"], capture_output=True, text=True, env=_env_without_keys())
-    assert bad.returncode == 2 and "infra-agent.yaml" in bad.stderr
-    clean = subprocess.run([sys.executable, "-m", "infra_agent.cli", "sessions", "clean", "--target", str(root)],
-                           capture_output=True, text=True, env=_env_without_keys())
-    assert "removed 1 session" in clean.stdout
-    assert [h.name for h in git.Repo(root).heads] == ["main"]
-
-
-def _env_without_keys() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ZAI_API_KEY")}
 
 
 SLOW_PROBE = """
@@ -334,7 +178,7 @@ def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
     # then installs no KeyboardInterrupt handler: give the session the disposition a terminal gives
     proc = subprocess.Popen([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(root), "--backend",
                              "offline"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env_without_keys(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env=env_without_keys(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid_file = root / ".infra-agent" / "probe.pid"
     deadline = time.time() + 60
     while not pid_file.exists() and time.time() < deadline:

@@ -214,7 +214,7 @@ def test_the_prefix_reuse_probe_passes_here_and_catches_a_state_restored_one_tok
     from target_stack.engine.prefix import PrefixEntry
     from target_stack.probes.engine import prefix_reuse
 
-    manifest = yaml.safe_load((pathlib.Path(__file__).parents[1] / "target_stack/infra-agent.yaml").read_text())
+    manifest = yaml.safe_load((pathlib.Path(__file__).parents[2] / "target_stack/infra-agent.yaml").read_text())
     params = next(p for p in manifest["probes"] if p["id"] == "engine.prefix_reuse")["params"]
     ctx = ProbeContext("engine.prefix_reuse", params, ".")
     prefix_reuse(ctx)

@@ -13,7 +13,7 @@ import pytest
 
 from feedback.targets import materialize_bundled
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_mutations", ROOT / "bench" / "mutations.py")
 mutations = sys.modules.setdefault("bench_mutations", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(mutations)

@@ -15,19 +15,30 @@ import pytest
 
 from feedback.targets import bundled_package_dir
 from infra_agent.experiments import RecordError, junit_xml, load_record, replay
+from infra_agent.scenarios import load_scenarios
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 COMMITTED = sorted((REPO / "experiments").glob("*.yaml"))
 
 
+def _record_of(scenario: str) -> pathlib.Path:
+    return next(p for p in COMMITTED if load_record(p).scenario == scenario)
+
+
 def test_the_committed_records_are_valid_and_real():
-    assert COMMITTED, "at least one real record is committed"
-    for path in COMMITTED:
-        rec = load_record(path)
-        assert rec.backend == "offline" and rec.scenario == "cp-tf32" and rec.base.kind == "bundled"
-        assert rec.playbook == "tf32x3-fp32-dot-chains" and rec.verdict == "better"
-        assert rec.decision.status == "held" and any(r.startswith("numerics") for r in rec.risk)
-        assert {p.id for p in rec.probes} >= {"kda.static.dot_precision", "kda.cp.merge"}
+    """A full offline run of the scenarios: one held fix per scenario, judged by the probes its
+    acceptance reads, held for the risk the scenario carries; the trajectory path portable."""
+    scenarios = load_scenarios()
+    recs = [load_record(p) for p in COMMITTED]
+    assert {r.scenario for r in recs} == set(scenarios), "the records of a run of every scenario are committed"
+    for rec in recs:
+        sc = scenarios[rec.scenario]
+        assert rec.backend == "offline" and rec.base.kind == "bundled" and rec.base.scenario == sc.name
+        assert rec.playbook and rec.verdict == "better" and rec.decision.status == "held"
+        assert any(r.startswith(sc.risk) for r in rec.risk), rec.risk
+        acceptance_probes = {c.parts()[0].rsplit(".", 1)[0] for c in sc.criteria()}
+        assert {p.id for p in rec.probes} >= acceptance_probes
+        assert rec.trajectory and not rec.trajectory.startswith("/")
 
 
 def _modified_bundle(tmp_path: pathlib.Path, old: str, new: str, file: str = "ops/kda/cp.py") -> pathlib.Path:
@@ -51,7 +62,7 @@ def _replay_with(bundle: pathlib.Path | None, record: pathlib.Path, junit: pathl
 
 
 def test_replay_passes_on_this_tree(tmp_path):
-    result = replay(COMMITTED[0])
+    result = replay(_record_of("cp-tf32"))
     assert result.status == "pass", result.reason
 
 
@@ -60,7 +71,7 @@ def test_replay_catches_the_fix_reverted_in_the_tree(tmp_path):
     bundle = _modified_bundle(tmp_path,
                               'precision = resolve_dot_precision(merge_precision, q.device, "merge_precision")',
                               'precision = "tf32"')
-    out = _replay_with(bundle, COMMITTED[0], tmp_path / "j.xml")
+    out = _replay_with(bundle, _record_of("cp-tf32"), tmp_path / "j.xml")
     assert out.returncode == 1, out.stdout + out.stderr
     assert "regressed" in out.stdout and "kda.cp.merge was pass, now fail" in out.stdout
     xml = (tmp_path / "j.xml").read_text()
@@ -69,7 +80,7 @@ def test_replay_catches_the_fix_reverted_in_the_tree(tmp_path):
 
 def test_replay_reports_a_record_that_no_longer_applies_as_stale(tmp_path):
     bundle = _modified_bundle(tmp_path, "b_hl = tl.load(h_local", "b_local = tl.load(h_local")
-    out = _replay_with(bundle, COMMITTED[0], tmp_path / "j.xml")
+    out = _replay_with(bundle, _record_of("cp-tf32"), tmp_path / "j.xml")
     assert out.returncode == 0, out.stdout + out.stderr  # stale is not a regression ...
     assert "stale" in out.stdout and "no longer applies" in out.stdout and "pass exp-" not in out.stdout
     assert "<error" in (tmp_path / "j.xml").read_text()  # ... but never reported as passed
@@ -100,7 +111,7 @@ WRITER = textwrap.dedent("""
 
 def test_a_process_killed_while_writing_records_leaves_only_complete_ones(tmp_path):
     out_dir = tmp_path / "exp"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(COMMITTED[0]), str(out_dir)],
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(_record_of("cp-tf32")), str(out_dir)],
                             stdout=subprocess.PIPE, text=True)
     t0 = time.time()
     while int(proc.stdout.readline() or -1) < 12 and time.time() - t0 < 60:

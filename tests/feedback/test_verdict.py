@@ -13,7 +13,7 @@ import pytest
 
 from feedback.harness import judge
 from feedback.manifest import parse_manifest
-from feedback.models import CriterionResult, FeedbackReport, Finding, Metric, ProbeResult, Status
+from feedback.models import CriterionResult, FeedbackReport, Finding, Metric, ProbeComparison, ProbeResult, Status
 from feedback.verdict import MIN_NOISE, combine_runs, compare, compare_metric, noise_floor, replay_regressions, verdict
 
 MANIFEST = parse_manifest("""
@@ -143,6 +143,26 @@ def test_replay_uses_the_same_noise_rule():
     broke, _ = replay_regressions(then, [result("t", ms=timed(10.0, 10.1, 9.9)), result("c", Status.failed)],
                                   [crit(False)])
     assert len(broke) == 2 and broke[0].startswith("c was pass, now fail")
+
+
+def _side_by_side(base, cand) -> ProbeComparison:
+    return ProbeComparison(probe=cand.probe, kind="microbench", baseline=base.status, candidate=cand.status,
+                           deltas=[compare_metric("ms", base.metrics["ms"], cand.metrics["ms"], "microbench")])
+
+
+def test_replay_judges_performance_against_the_base_rebuilt_beside_it():
+    """A busier machine makes both sides slower: the recorded numbers would say 'regressed', the
+    side-by-side comparison with the base does not; a candidate slower than its base still regresses."""
+    then = [("microbench", result("t", ms=timed(10.0, 10.1, 9.9))), ("correctness", result("c"))]
+    busy_candidate = result("t", ms=timed(15.0, 15.2, 14.9))
+    busy_base = result("t", ms=timed(15.1, 14.9, 15.0))
+    side_by_side = _side_by_side(busy_base, busy_candidate)
+    regressed, details = replay_regressions(then, [busy_candidate, result("c")], [], against_base=[side_by_side])
+    assert regressed == [] and "against its base, side by side" in details[0]
+    faster_base = result("t", ms=timed(10.0, 10.1, 9.9))
+    slower = _side_by_side(faster_base, busy_candidate)
+    regressed, _ = replay_regressions(then, [busy_candidate, result("c")], [], against_base=[slower])
+    assert regressed and regressed[0].startswith("t: worse than its base, side by side: ms x1.5")
 
 
 # --- the real harness ----------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The runner on real subprocesses: every fault a clear status, the tree under test and nothing else, the cache."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+from feedback.harness import judge
+from feedback.manifest import load_manifest
+from feedback.models import Status
+from feedback.targets import materialize_bundled
+from tests.support.toy_harness import TOY_MANIFEST, by_id
+
+
+def test_every_fault_is_a_clear_status_and_the_harness_survives(toy):
+    t0 = time.perf_counter()
+    report = judge(toy, probe_ids=["toy.ok", "toy.bad", "toy.raises", "toy.hangs", "toy.segfault", "toy.memory",
+                                   "toy.skips", "toy.garbage", "toy.cmd"], run_all=True, use_cache=False, jobs=4)
+    r = by_id(report)
+    assert r["toy.ok"].status == Status.passed and r["toy.ok"].metrics["err"].value == 1e-7
+    assert r["toy.bad"].status == Status.failed
+    assert "err = 0.5 violates <= 1e-05" in r["toy.bad"].findings[-1].message
+    assert r["toy.raises"].status == Status.error
+    assert "ZeroDivisionError: deliberate" in r["toy.raises"].reason and "toy/probes.py" in r["toy.raises"].reason
+    assert r["toy.hangs"].status == Status.timeout and "budget_s=2" in r["toy.hangs"].reason
+    assert r["toy.segfault"].status == Status.error and "SIGSEGV" in r["toy.segfault"].reason
+    assert "(at toy/probes.py:" in r["toy.segfault"].reason and "in segfault)" in r["toy.segfault"].reason
+    assert r["toy.memory"].status == Status.error and "MemoryError" in r["toy.memory"].reason
+    assert r["toy.skips"].status == Status.skipped and r["toy.skips"].reason == "needs a widget"
+    assert r["toy.garbage"].status == Status.error and "no JSON result" in r["toy.garbage"].reason
+    assert r["toy.cmd"].status == Status.passed and r["toy.cmd"].metrics["ttft_ms"].value == 12.5
+    assert time.perf_counter() - t0 < 60
+    # the hung probe's child died with its process group
+    pid = int((toy / "child.pid").read_text())
+    deadline = time.time() + 5
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that never comes, in a container, counts as dead)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_probe_sees_a_change_made_only_in_the_scratch_tree(tmp_path):
+    """The static probe imports target_stack from the scratch copy: a tl.dot added only there fails it."""
+    tree = materialize_bundled(tmp_path / "scratch")
+    clean = judge(tree, probe_ids=["kda.static.dot_precision"], use_cache=False)
+    assert clean.results[0].status == Status.passed
+    cp = tree / "target_stack" / "ops" / "kda" / "cp.py"
+    cp.write_text(cp.read_text().replace("tl.dot(b_M, b_h, input_precision=MERGE_PRECISION)", "tl.dot(b_M, b_h)"))
+    dirty = judge(tree, probe_ids=["kda.static.dot_precision"], use_cache=False)
+    res = dirty.results[0]
+    assert res.status == Status.failed
+    assert any(f.location.file.startswith("target_stack/ops/kda/cp.py:") and
+               f.location.kernel == "_kda_cp_merge_kernel" for f in res.findings)
+    # the installed copy is untouched: the repository's own source still passes
+    import target_stack.ops.kda.cp as installed
+
+    assert "input_precision=MERGE_PRECISION" in pathlib.Path(installed.__file__).read_text()
+
+
+def test_worker_refuses_an_entry_imported_from_outside_the_tree(toy):
+    # json is importable in the probe process, but not from the tree under test
+    (toy / "infra-agent.yaml").write_text(
+        TOY_MANIFEST.replace("probes:\n", "probes:\n  - {id: toy.outside, kind: static, entry: \"json:dumps\"}\n", 1))
+    m = load_manifest(toy)
+    report = judge(toy, manifest=m, probe_ids=["toy.outside"], use_cache=False)
+    assert report.results[0].status == Status.error and "outside the tree under test" in report.results[0].reason
+
+
+def test_cache_serves_unchanged_probes_and_misses_after_a_covered_change(toy):
+    first = judge(toy, probe_ids=["toy.ok"])
+    assert not first.results[0].cached
+    again = judge(toy, probe_ids=["toy.ok"])
+    assert again.results[0].cached and again.results[0].metrics == first.results[0].metrics
+    (toy / "toy" / "value.txt").write_text("2")
+    changed = judge(toy, probe_ids=["toy.ok"])
+    assert not changed.results[0].cached and changed.results[0].metrics["marker"].value == 2.0
+    # the probe's own exception is what these files raise here: served from the cache like a result
+    raised = judge(toy, probe_ids=["toy.raises"]).results[0]
+    again = judge(toy, probe_ids=["toy.raises"]).results[0]
+    assert raised.status == again.status == Status.error and again.cached and again.reason == raised.reason
+    # a crashed probe process (no result written) is re-run every time
+    judge(toy, probe_ids=["toy.segfault"])
+    crashed = judge(toy, probe_ids=["toy.segfault"]).results[0]
+    assert crashed.status == Status.error and not crashed.cached

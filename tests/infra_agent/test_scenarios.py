@@ -1,0 +1,87 @@
+"""Scenarios: each bundled one is a patch that applies to the clean target and breaks what its
+acceptance criteria measure there; the list command; malformed scenario files named clearly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import git
+import pytest
+
+from feedback.harness import judge
+from feedback.manifest import load_manifest
+from feedback.targets import materialize_bundled
+from infra_agent.scenarios import ScenarioError, load_scenarios, resolve, scenarios_dir
+from tests.support.toy_agent import env_without_keys
+
+
+def test_every_bundled_scenario_is_complete_and_its_patch_applies_to_the_clean_target(tmp_path):
+    known = load_scenarios()
+    assert {"cp-tf32", "gil-kv-transfer"} <= set(known)
+    tree = materialize_bundled(tmp_path / "ts")
+    repo = git.Repo.init(tree)
+    manifest = load_manifest(tree)
+    probe_ids = {p.id for p in manifest.probes}
+    for sc in known.values():
+        repo.git.apply("--check", "--recount", str(sc.patch))
+        touched = {line[6:] for line in sc.patch.read_text().splitlines() if line.startswith("+++ b/")}
+        assert touched <= set(sc.files), (sc.name, touched, sc.files)
+        for c in sc.criteria():
+            metric, _, _ = c.parts()
+            assert manifest.split_metric(metric) and manifest.split_metric(metric)[0] in probe_ids, (sc.name, c.expr)
+
+
+@pytest.mark.parametrize("name", ["gil-kv-transfer", "cp-tf32"])
+def test_a_scenario_breaks_its_acceptance_and_the_clean_target_meets_it(tmp_path, name):
+    """What the agent is asked to restore really is broken by the starting change: the criteria fail
+    on the defective tree and hold on the clean one, judged by the real harness."""
+    (sc,) = resolve(name)
+    manifest = load_manifest(materialize_bundled(tmp_path / "m"))
+    probes = sorted({manifest.split_metric(c.parts()[0])[0] for c in sc.criteria()})
+    results = {}
+    for label in ("clean", "defective"):
+        tree = materialize_bundled(tmp_path / label)
+        if label == "defective":
+            subprocess.run(["git", "apply", "--recount", str(sc.patch)], cwd=tree, check=True)
+        report = judge(tree, probe_ids=probes, run_all=True, use_cache=False, jobs=2)
+        results[label] = sc.check(load_manifest(tree), report)
+    assert all(c.holds for c in results["clean"]), results["clean"]
+    assert not all(c.holds for c in results["defective"]), results["defective"]
+
+
+def test_unknown_and_malformed_scenarios_are_clear_errors(tmp_path):
+    with pytest.raises(ScenarioError, match=r"unknown scenario 'nope'; known: .*cp-tf32.*\(or 'all'\)"):
+        resolve("nope")
+    assert [s.name for s in resolve("all")] == sorted(load_scenarios())
+    (tmp_path / "bad.yaml").write_text("name: bad\ndefect: x\nfiles: [a.py]\ngoal: g\nacceptance: [nonsense]\n"
+                                       "risk: numerics\n")
+    (tmp_path / "bad.patch").write_text("")
+    with pytest.raises(ScenarioError, match=r"bad.yaml: not a valid scenario: .*<probe>.<metric> <op> <number>"):
+        load_scenarios(tmp_path)
+    (tmp_path / "bad.yaml").write_text("name: other\ndefect: x\nfiles: [a.py]\ngoal: g\nacceptance: [p.m <= 1]\n"
+                                       "risk: numerics\n")
+    with pytest.raises(ScenarioError, match="its name is 'other'"):
+        load_scenarios(tmp_path)
+    (tmp_path / "bad.yaml").write_text("name: bad\ndefect: x\nfiles: [a.py]\ngoal: g\nacceptance: [p.m <= 1]\n"
+                                       "risk: numerics\n")
+    (tmp_path / "bad.patch").unlink()
+    with pytest.raises(ScenarioError, match="no bad.patch beside it"):
+        load_scenarios(tmp_path)
+    assert scenarios_dir().name == "scenarios"
+
+
+def test_the_scenarios_command_lists_defects_files_acceptance_and_risk():
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "scenarios", "--json"], capture_output=True,
+                         text=True, timeout=120, env=env_without_keys())
+    assert out.returncode == 0, out.stderr
+    listed = {s["name"]: s for s in json.loads(out.stdout)}
+    assert listed["gil-kv-transfer"]["risk"] == "concurrency" and listed["cp-tf32"]["risk"] == "numerics"
+    assert all(s["defect"] and s["files"] and s["acceptance"] and s["goal"] for s in listed.values())
+    table = subprocess.run([sys.executable, "-m", "infra_agent.cli", "scenarios"], capture_output=True, text=True,
+                           timeout=120, env={**env_without_keys(), "COLUMNS": "100"})
+    assert table.returncode == 0 and "gil-kv-transfer" in table.stdout and "--scenario all" in table.stdout
+    bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "run", "--scenario", "nope"], capture_output=True,
+                         text=True, timeout=120, env=env_without_keys())
+    assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr

@@ -1,0 +1,1 @@
+"""Fakes the tests share: a scripted OpenAI-protocol server, toy targets."""
