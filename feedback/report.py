@@ -56,12 +56,16 @@ def _fmt(v: float | None, unit: str = "") -> str:
     return f"{v:.4g}{unit and ' ' + unit}"
 
 
+#: below this terminal width, reports and summaries switch to forms that keep every name whole
+NARROW_COLUMNS = 110
+
+
 def render(report: FeedbackReport, console: Console) -> None:
     title = f"feedback on {report.target} ({report.selection})"
     if report.baseline:
         title += f" vs baseline {report.baseline}"
     # an 80-column terminal: probe names whole (never cut into ellipses), the kind left out, metrics folded
-    narrow = console.width < 110
+    narrow = console.width < NARROW_COLUMNS
     table = Table(title=title, title_justify="left")
     longest = max((len(c.probe) for c in report.comparisons), default=5)
     table.add_column("probe", no_wrap=True, min_width=min(longest, 32))

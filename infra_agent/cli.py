@@ -258,6 +258,8 @@ def _render_item(item, full: bool = True) -> None:
     from rich.syntax import Syntax
     from rich.table import Table
 
+    from feedback.report import NARROW_COLUMNS
+
     style = {"numerics": "magenta", "concurrency": "red", "production": "yellow"}
     cats = " ".join(f"[{style.get(c, 'white')}]{c}[/]" for c in item.categories)
     console.print(f"[bold]item {item.id}[/] [{item.state}] {cats}  target {item.target}  session {item.session}")
@@ -279,7 +281,7 @@ def _render_item(item, full: bool = True) -> None:
     rows = [(e["probe"], e["metric"], "-" if e["before"] is None else f"{e['before']:.3g}{ci(e['before_ci'])}",
              f"{e['after']:.3g}{ci(e['after_ci'])}", f"{e['status_before'] or '-'} -> {e['status_after']}")
             for e in item.evidence]
-    if console.width < 110:  # a narrow terminal: one line per metric, its full name first
+    if console.width < NARROW_COLUMNS:  # one line per metric, its full name first
         console.print("[bold]evidence[/] (probe.metric: before -> after, status)")
         for probe, metric, before, after, status in rows:
             console.print(f"  {probe}.{metric}: {before} -> {after} ({status})", highlight=False, soft_wrap=True)

@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from feedback.models import ProbeResult
-from feedback.verdict import judged_by_performance, replay_regressions
+from feedback.verdict import evaluate_acceptance, judged_by_performance, replay_regressions
 
 if TYPE_CHECKING:
     from infra_agent import Workspace
@@ -229,21 +229,24 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
             return ReplayResult(record=rec.id, path=str(path), status="stale",
                                 reason=f"the manifest no longer has probe(s) {', '.join(missing)}",
                                 duration_s=time.perf_counter() - t0)
-        ids = [p.id for p in rec.probes]
-        # performance is judged against the base rebuilt beside it, in the same run: the recorded
-        # numbers are from another day and machine load
-        base = None
-        if any(judged_by_performance(p.kind) for p in rec.probes):
+        # status probes against their recorded statuses; performance against the base rebuilt beside
+        # the candidate, in the same run (the recorded numbers are from another day and machine load)
+        perf = [p.id for p in rec.probes if judged_by_performance(p.kind)]
+        by_status = [p.id for p in rec.probes if p.id not in perf]
+        results, side_by_side = [], None
+        if by_status:
+            results += judge(tree, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False).results
+        if perf:
             base = rebuild_base(rec.base, pathlib.Path(tmp) / "base")
-        report = judge(tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
-                       baseline_label="the record's base" if base else None) if ids else None
-    regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes],
-                                            report.results if report else [], report.acceptance if report else [],
-                                            against_base=report.comparisons if report and base else None)
-    status = "regressed" if regressed else "pass"
+            report = judge(tree, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
+                           baseline_label="the record's base")
+            results, side_by_side = results + report.results, report.comparisons
+    regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes], results,
+                                            evaluate_acceptance(manifest, results) if results else [],
+                                            against_base=side_by_side)
     reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
-    return ReplayResult(record=rec.id, path=str(path), status=status, reason=reason, details=details,
-                        duration_s=time.perf_counter() - t0)
+    return ReplayResult(record=rec.id, path=str(path), status="regressed" if regressed else "pass", reason=reason,
+                        details=details, duration_s=time.perf_counter() - t0)
 
 
 def junit_xml(results: list[ReplayResult]) -> str:

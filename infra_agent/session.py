@@ -8,6 +8,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
+from feedback.report import NARROW_COLUMNS
 from infra_agent.agent import Agent, Limits
 from infra_agent.scenarios import Scenario
 from infra_agent.trajectory import KEY_VARS
@@ -92,16 +93,18 @@ def scenario_outcome(agent: Agent, scenario: Scenario) -> dict:
     """Whether the scenario's acceptance holds on the session branch (fixes accepted there) or on a
     candidate held for review (fixes waiting for a person), criterion by criterion."""
     manifest = agent.ws.manifest()
-    branch = scenario.check(manifest, agent.feedback) if agent.feedback else []
+    none = [None] * len(scenario.acceptance)
+    branch = scenario.check(manifest, agent.feedback) if agent.feedback else none
     held = [(a, scenario.check(manifest, a.report)) for a in agent.attempts if a.decision == "held" and a.report]
-    holds = lambda results: bool(results) and all(c.holds for c in results)  # noqa: E731
-    solved = "on the branch" if holds(branch) else next(
-        (f"held for review (item {a.review_id})" for a, res in held if holds(res)), "no")
-    best = next((res for a, res in held if holds(res)), held[-1][1] if held else [])
+    holds = lambda results: all(c is not None and c.holds for c in results)  # noqa: E731
+    winner = next(((a, res) for a, res in held if holds(res)), None)
+    shown = winner[1] if winner else held[-1][1] if held else none  # the candidate that holds, else the last
+    solved = ("on the branch" if holds(branch) else
+              f"held for review (item {winner[0].review_id})" if winner else "no")
     return {"name": scenario.name, "risk": scenario.risk, "solved": solved,
-            "acceptance": [{"expr": b.expression, "branch": b.value, "branch_holds": b.holds,
+            "acceptance": [{"expr": expr, "branch": b.value if b else None, "branch_holds": b.holds if b else None,
                             "held": h.value if h else None, "held_holds": h.holds if h else None}
-                           for b, h in zip(branch, best or [None] * len(branch), strict=False)],
+                           for expr, b, h in zip(scenario.acceptance, branch, shown, strict=True)],
             "review_items": [a.review_id for a, _ in held]}
 
 
@@ -141,7 +144,7 @@ def summarise(agent: Agent, scenario: Scenario | None = None) -> dict:
 
 def render_summary(s: dict, console: Console) -> None:
     title = f"session {s['session']}: {s['outcome']} after {s['steps']} step(s)"
-    if console.width < 110:  # a narrow terminal: one block per attempt, every metric name whole
+    if console.width < NARROW_COLUMNS:  # one block per attempt, every metric name whole
         console.print(f"[bold]{title}[/]", highlight=False)
         for a in s["attempts"]:
             style = {"accepted": "green", "held": "yellow"}.get(a["decision"], "red")

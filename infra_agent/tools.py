@@ -96,8 +96,6 @@ def render_report(report: FeedbackReport, limit: int = 40) -> str:
 class Environment:
     """Runs the looking tools on the workspace's current baseline."""
 
-    LOOKING = ("read_file", "grep", "list_files", "run_probes", "list_playbooks", "show_playbook")
-
     def __init__(self, workspace: Workspace, jobs: int = 2, cache_dir: pathlib.Path | None = None):
         self.ws, self.jobs, self.cache_dir = workspace, jobs, cache_dir
 

@@ -45,9 +45,13 @@ class _Watch:
         self.counter = itertools.count()
         self.seen = seen  # shared by the runs: each broken promise reported once
         self.decisions = self.preempted = self.hits = self.refused_hits = 0
+        self.acquired = 0  # prefix-cache acquisitions during the current decision
         schedule, release = self.sched.schedule, self.sched.release
         self.sched.schedule = lambda: self._schedule(schedule)
         self.sched.release = lambda seq: self._release(release, seq)
+        if engine.prefix is not None:  # counted, not looked up again: a lookup would reorder the LRU
+            acquire = engine.prefix.acquire
+            engine.prefix.acquire = lambda hit: self._acquire(acquire, hit)
 
     def fail(self, symbol: str, kind: str, message: str, file: str = SCHEDULER) -> None:
         if (symbol, kind) not in self.seen:
@@ -58,13 +62,11 @@ class _Watch:
     def _schedule(self, schedule):
         self.queue_errors()
         queued = list(self.sched.waiting)
-        prefix = self.engine.prefix
-        head = queued[0] if queued else None
-        head_hit = (head is not None and head.swapped is None and head.prompt_embeds is None and prefix is not None
-                    and prefix.match(head.prompt) is not None)
+        self.acquired = 0
         plan = schedule()
-        if head_hit and head in self.sched.waiting:
-            self.refused_hits += 1  # an admission that took prefix references and was refused
+        # an acquisition for no admitted prefill with a shared head: an admission that took prefix
+        # references and was refused
+        self.refused_hits += self.acquired - sum(1 for s in plan.prefill if s.shared)
         self.decisions += 1
         admitted = plan.resumed + plan.prefill
         ids = {s.id for s in admitted}
@@ -77,6 +79,10 @@ class _Watch:
         self._check_victims(plan)
         self.books(plan)
         return plan
+
+    def _acquire(self, acquire, hit):
+        self.acquired += 1
+        return acquire(hit)
 
     def _release(self, release, seq) -> None:
         release(seq)
@@ -162,9 +168,7 @@ def _refused_admission_with_a_hit(ctx: ProbeContext, model: HybridModel, p: dict
     stem arrives while a long sequence holds most pages, so its admission takes the stem's references,
     evicts the entry, still lacks pages and is refused; the books are checked right after."""
     ps, usable = p["page_size"], p["num_pages"] - 1
-    engine = LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=ps,
-                       max_model_len=p["max_model_len"], prefix_cache=True, prefix_entries=p.get("entries", 4),
-                       max_batch=p.get("max_batch", 8))
+    engine = _engine(ctx, model, p)
     watch = _Watch(ctx, engine, seen)
     gen = fresh_generator()
     vocab = model.cfg.vocab
@@ -173,24 +177,51 @@ def _refused_admission_with_a_hit(ctx: ProbeContext, model: HybridModel, p: dict
     engine.generate([stem + draw(1)], SamplingParams(max_tokens=1))  # the stem's two pages are cached
     free = usable - 2
     long_len = (free - 2) * ps - 1  # leaves two pages free once it runs
-    long_id = engine.add_request(draw(long_len), SamplingParams(max_tokens=min(8, p["max_model_len"] - long_len - 1)))
+    engine.add_request(draw(long_len), SamplingParams(max_tokens=min(8, p["max_model_len"] - long_len - 1)))
     engine.step()
-    late = engine.add_request(stem + draw(5 * ps), SamplingParams(max_tokens=1))  # needs 4 more pages than free
+    engine.add_request(stem + draw(5 * ps), SamplingParams(max_tokens=1))  # needs 4 more pages than free
     before = watch.refused_hits
     engine.step()
     refused = watch.refused_hits - before
-    if not refused and engine.seqs.get(late) is not None and engine.seqs[late].status.value == "running":
-        return 0  # admitted after all (a different page budget): nothing refused to check
+    _drain(engine, watch, "after a refused admission with a prefix hit")
+    return refused
+
+
+def _hit_and_preemption(ctx: ProbeContext, model: HybridModel, p: dict, seen: set) -> tuple[int, int]:
+    """A deterministic case of a prefill from a cached stem and of decode growth that must preempt:
+    two sequences of three pages each grow to eight, more than the pool holds.  (hits, preemptions)."""
+    ps = p["page_size"]
+    engine = _engine(ctx, model, p)
+    watch = _Watch(ctx, engine, seen)
+    gen = fresh_generator()
+    draw = lambda n: torch.randint(0, model.cfg.vocab, (n,), generator=gen).tolist()  # noqa: E731
+    stem = draw(2 * ps)
+    engine.generate([stem + draw(1)], SamplingParams(max_tokens=1))
+    engine.generate([stem + draw(3)], SamplingParams(max_tokens=1))  # from the cached stem
+    n = 3 * ps - 1
+    grow = min(5 * ps, p["max_model_len"] - n)  # to 8 pages each: 16 of the pool's num_pages - 1
+    for _ in range(2):
+        engine.add_request(draw(n), SamplingParams(max_tokens=grow))
+    _drain(engine, watch, "after a cached prefill and a preemption")
+    return watch.hits, watch.preempted
+
+
+def _engine(ctx: ProbeContext, model: HybridModel, p: dict) -> LLMEngine:
+    return LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=p["page_size"],
+                     max_model_len=p["max_model_len"], prefix_cache=True, prefix_entries=p.get("entries", 4),
+                     max_batch=p.get("max_batch", 8))
+
+
+def _drain(engine: LLMEngine, watch: _Watch, what: str) -> None:
+    """Run to the end; then everything must be back once the cache is cleared."""
     while engine.has_unfinished():
         engine.step()
     watch.books()
     engine.prefix.clear()
     leaks = engine.leaks()
     if any(leaks.values()) or engine.pages.used or engine.slots.used:
-        watch.fail("Scheduler.schedule", "refused-end", f"after a refused admission with a prefix hit and the "
-                   f"cache cleared, {engine.pages.used} pages are held: {leaks}")
-    del long_id
-    return refused
+        watch.fail("Scheduler.release", f"end {what}", f"{what} and the cache cleared, {engine.pages.used} pages "
+                   f"and {engine.slots.used} slots are held: {leaks}")
 
 
 def _prompts(gen: torch.Generator, vocab: int, p: dict) -> list[list[int]]:
@@ -216,9 +247,7 @@ def scheduler_contract(ctx: ProbeContext) -> None:
     preempted = hits = decisions = refused = 0
     seen: set[tuple[str, str]] = set()
     for run in range(p.get("runs", 3)):
-        engine = LLMEngine(model, device=ctx.device, num_pages=p["num_pages"], page_size=p["page_size"],
-                           max_model_len=p["max_model_len"], prefix_cache=True, prefix_entries=p.get("entries", 4),
-                           max_batch=p.get("max_batch", 8))
+        engine = _engine(ctx, model, p)
         if not isinstance(engine.scheduler, Scheduler):
             ctx.fail("the engine's scheduler is not target_stack's Scheduler", file=ENGINE, symbol="LLMEngine")
             return
@@ -248,6 +277,8 @@ def scheduler_contract(ctx: ProbeContext) -> None:
         preempted, hits, decisions = preempted + watch.preempted, hits + watch.hits, decisions + watch.decisions
         refused += watch.refused_hits
     refused += _refused_admission_with_a_hit(ctx, model, p, seen)
+    forced_hits, forced_preemptions = _hit_and_preemption(ctx, model, p, seen)
+    hits, preempted = hits + forced_hits, preempted + forced_preemptions
     ctx.metric("decisions", decisions)
     ctx.metric("preemptions", preempted)
     ctx.metric("prefix_hits", hits)

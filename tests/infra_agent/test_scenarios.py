@@ -38,15 +38,14 @@ def test_a_scenario_breaks_its_acceptance_and_the_clean_target_meets_it(tmp_path
     """What the agent is asked to restore really is broken by the starting change: the criteria fail
     on the defective tree and hold on the clean one, judged by the real harness."""
     (sc,) = resolve(name)
-    manifest = load_manifest(materialize_bundled(tmp_path / "m"))
-    probes = sorted({manifest.split_metric(c.parts()[0])[0] for c in sc.criteria()})
     results = {}
     for label in ("clean", "defective"):
         tree = materialize_bundled(tmp_path / label)
         if label == "defective":
             subprocess.run(["git", "apply", "--recount", str(sc.patch)], cwd=tree, check=True)
-        report = judge(tree, probe_ids=probes, run_all=True, use_cache=False, jobs=2)
-        results[label] = sc.check(load_manifest(tree), report)
+        manifest = load_manifest(tree)
+        probes = sorted({manifest.split_metric(c.parts()[0])[0] for c in sc.criteria()})
+        results[label] = sc.check(manifest, judge(tree, probe_ids=probes, run_all=True, use_cache=False, jobs=2))
     assert all(c.holds for c in results["clean"]), results["clean"]
     assert not all(c.holds for c in results["defective"]), results["defective"]
 
