@@ -3,7 +3,8 @@
 * Python probes run ``python -m feedback.worker`` with the tree's import roots first on
   PYTHONPATH; command probes run their shell command in the tree and print one JSON object.
 * Without a GPU the probe process gets ``TRITON_INTERPRET=1`` and the dot-precision emulation
-  (``INFRA_AGENT_EMULATE_DOT=1``), so tf32 bugs show on a CPU.
+  (``INFRA_AGENT_EMULATE_DOT=1``), so tf32 bugs show on a CPU.  A probe declared ``interpret: true``
+  (it counts a kernel's work, never times it) gets the interpreter and no GPU on every machine.
 * Each probe is its own process group: past ``budget_s`` the whole group is killed.
 * The cache key is the content of every covered file and of the probe's own module, the probe
   spec (params, thresholds), and the environment; a hit is reported with ``cached: true``.
@@ -129,7 +130,7 @@ class Runner:
 
     # --- running ----------------------------------------------------------------------------
 
-    def env(self) -> dict[str, str]:
+    def env(self, spec: ProbeSpec | None = None) -> dict[str, str]:
         env = dict(os.environ)
         roots = [str(self.tree / r) for r in self.manifest.python_path]
         # the tree's import roots first; the harness after, for feedback.* itself
@@ -142,6 +143,9 @@ class Runner:
             env["TRITON_INTERPRET"] = "1"
             if self.emulate:
                 env.setdefault("INFRA_AGENT_EMULATE_DOT", "1")
+        elif spec is not None and spec.interpret:  # a work-counting probe: the interpreter, on the CPU, anywhere
+            env["TRITON_INTERPRET"] = "1"
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env.update(self.extra_env)
         return env
 
@@ -206,7 +210,7 @@ class Runner:
 
         t0 = time.perf_counter()
         try:
-            proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(), shell=shell, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(spec), shell=shell, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     preexec_fn=preexec if limit else None)
         except OSError as exc:  # no interpreter, no shell, no such directory: the machine failed, not the probe

@@ -281,14 +281,17 @@ def evidence(report: FeedbackReport) -> list[dict]:
 
 def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeResult],
                        acceptance: list[CriterionResult],
-                       against_base: list[ProbeComparison] | None = None) -> tuple[list[str], list[str]]:
+                       against_base: list[ProbeComparison] | None = None,
+                       recorded_acceptance: list[CriterionResult] | None = None) -> tuple[list[str], list[str]]:
     """What a re-run of a committed record says: (regressions, one detail line per probe).
 
     Status kinds must end as they were recorded.  Performance kinds must not regress under the
     noise rule: with ``against_base`` (the candidate re-judged beside its rebuilt base in the same
     run), the candidate must not be worse than its base now, the only comparison that holds on
     another day or a busier machine; without it, against the recorded numbers, and only where the
-    environment is the same."""
+    environment is the same.  An acceptance criterion must hold now where it held when recorded;
+    one that failed then too (the record is a step on the way, another attempt fixed the rest) is
+    shown, not counted.  Without ``recorded_acceptance`` every criterion must hold."""
     now_by_id = {r.probe: r for r in now}
     base_by_id = {c.probe: c for c in against_base or []}
     details, regressed = [], []
@@ -320,7 +323,13 @@ def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeR
                              + (f" ({cur.reason})" if cur.reason else "")
                              + (f": {cur.findings[0].message}" if cur.findings else ""))
         details.append(line)
+    then_by_name = {a.name: a for a in recorded_acceptance} if recorded_acceptance is not None else None
     for a in acceptance:
-        if a.holds is False:
-            regressed.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
+        if a.holds is not False:
+            continue
+        then = then_by_name.get(a.name) if then_by_name is not None else None
+        if then_by_name is not None and (then is None or then.holds is not True):
+            details.append(f"acceptance {a.name}: failed when recorded too (value {a.value:.3g})")
+            continue
+        regressed.append(f"acceptance {a.name} ({a.expression}) fails: value {a.value:.3g}")
     return regressed, details

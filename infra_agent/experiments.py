@@ -21,7 +21,7 @@ from xml.sax.saxutils import escape
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
-from feedback.models import ProbeResult
+from feedback.models import CriterionResult, ProbeResult
 from feedback.verdict import evaluate_acceptance, judged_by_performance, replay_regressions
 
 if TYPE_CHECKING:
@@ -243,7 +243,9 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
             results, side_by_side = results + report.results, report.comparisons
     regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes], results,
                                             evaluate_acceptance(manifest, results) if results else [],
-                                            against_base=side_by_side)
+                                            against_base=side_by_side,
+                                            recorded_acceptance=[CriterionResult.model_validate(a)
+                                                                 for a in rec.acceptance] or None)
     reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
     return ReplayResult(record=rec.id, path=str(path), status="regressed" if regressed else "pass", reason=reason,
                         details=details, duration_s=time.perf_counter() - t0)

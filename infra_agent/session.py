@@ -60,7 +60,7 @@ def print_event(console: Console):
             brief = args.get("hypothesis") or args.get("path") or args.get("pattern") or args.get("summary") or ""
             console.print(f"[bold]step {data['step']}[/] {data['name']}"
                           + (f" [cyan]{args.get('playbook_id')}[/]" if args.get("playbook_id") else "")
-                          + (f": {brief[:160]}" if brief else "") + f" [dim]({data.get('budget', '')})[/]",
+                          + (f": {_clip(brief, 240)}" if brief else "") + f" [dim]({data.get('budget', '')})[/]",
                           highlight=False)
         elif kind == "attempt":
             a = data["attempt"]
@@ -179,3 +179,11 @@ def render_summary(s: dict, console: Console) -> None:
         if sc["review_items"]:
             console.print(f"  approve with: infra-agent review approve {sc['review_items'][-1]}", highlight=False)
     console.print(f"[dim]trajectory {s['trajectory']}[/]")
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut at the last whole word (a path or a metric is never cut in two) within ``limit``."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0].rstrip(" .,;:")
+    return f"{cut} ..."

@@ -42,6 +42,11 @@ class MetricPredicate(BaseModel):
                     out.append(f"{r.probe}.{name} = {m.value:.4g} {self.op} {self.value:g}")
         return out
 
+    def observed(self, report: FeedbackReport) -> list[str]:
+        """Every value of the metric in the report, whether or not it satisfies the predicate."""
+        return [f"{r.probe}.{name} = {m.value:.4g}" for r in report.results if fnmatch.fnmatchcase(r.probe, self.probe)
+                for name, m in r.metrics.items() if fnmatch.fnmatchcase(name, self.metric)]
+
 
 class FindingPredicate(BaseModel):
     """A finding (or failure reason) of some probe whose message matches a regex."""
@@ -195,13 +200,13 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path) -> 
         ev = pred.evidence(report)
         if not ev:
             return Applicability(playbook=pb.id, applies=False, evidence=evidence,
-                                 reason=f"declined: no evidence for {_describe(pred)}")
+                                 reason=f"declined: no evidence for {_describe(pred, report)}")
         evidence += ev
     if sig.any_of:
         found = [e for pred in sig.any_of for e in pred.evidence(report)]
         if not found:
             return Applicability(playbook=pb.id, applies=False, evidence=evidence,
-                                 reason="declined: none of " + "; ".join(_describe(p) for p in sig.any_of))
+                                 reason="declined: none of " + "; ".join(_describe(p, report) for p in sig.any_of))
         evidence += found
     matches = [m for pat in pb.applicability.code for m in _match_code(pat, tree)]
     if pb.applicability.code and not matches:
@@ -211,9 +216,14 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path) -> 
                          reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""))
 
 
-def _describe(pred: Predicate) -> str:
+def _describe(pred: Predicate, report: FeedbackReport | None = None) -> str:
+    """The predicate in words; with a report, what was measured instead (the evidence of a decline)."""
     if isinstance(pred, MetricPredicate):
-        return f"{pred.probe}.{pred.metric} {pred.op} {pred.value:g}"
+        text = f"{pred.probe}.{pred.metric} {pred.op} {pred.value:g}"
+        seen = pred.observed(report) if report is not None else []
+        if report is not None:
+            text += f" (measured: {', '.join(seen[:3])})" if seen else " (not measured here)"
+        return text
     return f"a finding of {pred.probe} matching /{pred.message}/"
 
 

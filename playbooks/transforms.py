@@ -67,17 +67,170 @@ def pydll_to_cdll(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str,
     return changed
 
 
-_DIV_SQRT = re.compile(r"/\s*tl\.sqrt\(")
+def _tl_call(node: ast.expr, name: str) -> ast.Call | None:
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl" and len(node.args) == 1):
+        return node
+    return None
+
+
+def _negated(arg: ast.expr, src: str) -> str:
+    if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub):
+        return ast.get_source_segment(src, arg.operand)
+    text = ast.get_source_segment(src, arg)
+    return f"-{text}" if isinstance(arg, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)) else f"-({text})"
 
 
 def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
-    """``x / tl.sqrt(y)`` becomes ``x * tl.rsqrt(y)``: one multiply instead of a sqrt and a divide."""
+    """Divisions by a special function become multiplies: ``x / tl.sqrt(y)`` -> ``x * tl.rsqrt(y)`` and
+    ``x / tl.exp(y)`` -> ``x * tl.exp(-y)`` (a subscript or call on the divisor, ``tl.exp(y)[:, None]``,
+    is kept).  A full-precision division costs many instructions; the multiply one."""
     changed = []
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
-        new = _DIV_SQRT.sub("* tl.rsqrt(", src)
-        if new != src:
-            path.write_text(new)
+        lines = src.splitlines(keepends=True)
+        offsets = [0]
+        for ln in lines:
+            offsets.append(offsets[-1] + len(ln))
+        pos = lambda line, col, offsets=offsets: offsets[line - 1] + col  # noqa: E731
+        edits: list[tuple[int, int, str]] = []  # (start, end, replacement) of the operator and divisor
+        for node in ast.walk(ast.parse(src)):
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+                continue
+            divisor, suffix = node.right, ""
+            if isinstance(divisor, ast.Subscript):  # tl.exp(y)[:, None]
+                suffix = src[pos(divisor.value.end_lineno, divisor.value.end_col_offset):
+                             pos(divisor.end_lineno, divisor.end_col_offset)]
+                divisor = divisor.value
+            if (call := _tl_call(divisor, "sqrt")) is not None:
+                repl = f"* tl.rsqrt({ast.get_source_segment(src, call.args[0])}){suffix}"
+            elif (call := _tl_call(divisor, "exp")) is not None:
+                repl = f"* tl.exp({_negated(call.args[0], src)}){suffix}"
+            else:
+                continue
+            # from the operator itself (a parenthesised left operand ends after its own parenthesis)
+            slash = src.index("/", pos(node.left.end_lineno, node.left.end_col_offset),
+                              pos(node.right.lineno, node.right.col_offset))
+            edits.append((slash, pos(node.right.end_lineno, node.right.end_col_offset), repl))
+        if edits:
+            bound = len(src)
+            for a, b, text in sorted(set(edits), reverse=True):
+                if b <= bound:  # a division nested in another's divisor waits for the next application
+                    src, bound = src[:a] + text + src[b:], a
+            path.write_text(src)
             changed.append(rel)
+    return changed
+
+
+_TILE_HELPER = '''
+
+def {name}(dim: int, start: int, other_programs: int, widest: int = {widest}, per_sm: int = {per_sm}) -> int:
+    """The widest power-of-two tile of ``dim``, up to ``widest``, that still gives every SM of this GPU
+    at least ``per_sm`` programs; ``start`` where even halving down to it does not (a small batch is
+    latency-bound and wants the programs).  Without a GPU (the interpreter) the widest: the same
+    per-head work done the fewest times.  Written by the fuse-v-tiles playbook."""
+    import os
+
+    import torch
+    import triton
+
+    tile = max(start, min(widest, triton.next_power_of_2(dim)))
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return tile
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    while tile > start and other_programs * triton.cdiv(dim, tile) < per_sm * sms:
+        tile //= 2
+    return max(tile, start)
+'''
+
+
+def _is_jit(fn: ast.FunctionDef) -> bool:
+    return any((isinstance(d, ast.Attribute) and d.attr == "jit") or (isinstance(d, ast.Name) and d.id == "jit")
+               or (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "jit")
+               for d in fn.decorator_list)
+
+
+def _program_tiles(kernel: ast.FunctionDef) -> dict[int, str]:
+    """{grid axis: tile constexpr} for ``pid = tl.program_id(AXIS)`` used as ``pid * TILE`` in ``kernel``."""
+    params = {a.arg for a in kernel.args.args}
+    pids: dict[str, int] = {}
+    for node in ast.walk(kernel):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr == "program_id" and node.value.args
+                and isinstance(node.value.args[0], ast.Constant)):
+            pids[node.targets[0].id] = int(node.value.args[0].value)
+    tiles: dict[int, str] = {}
+    for node in ast.walk(kernel):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            a, b = node.left, node.right
+            for pid, tile in ((a, b), (b, a)):
+                if isinstance(pid, ast.Name) and pid.id in pids and isinstance(tile, ast.Name) and tile.id in params:
+                    tiles.setdefault(pids[pid.id], tile.id)
+    return tiles
+
+
+def _grid_with(tile: str, axis: int, fn: ast.FunctionDef) -> tuple[ast.expr, list[ast.expr]] | None:
+    """In host function ``fn``: a grid tuple whose ``axis`` entry is ``cdiv(DIM, tile)``: (DIM, other entries)."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Tuple) and len(node.elts) > axis:
+            e = node.elts[axis]
+            if (isinstance(e, ast.Call) and getattr(e.func, "attr", getattr(e.func, "id", None)) == "cdiv"
+                    and len(e.args) == 2 and isinstance(e.args[1], ast.Name) and e.args[1].id == tile):
+                return e.args[0], [x for i, x in enumerate(node.elts) if i != axis]
+    return None
+
+
+def widen_program_tiles(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
+    """Fewer, wider programs along a tiled grid axis, chosen per launch.
+
+    For each Triton kernel in a matched file whose program id along an axis scales a tile constexpr
+    (``i_v * BV``), the host function that launches it over ``cdiv(DIM, BV)`` programs on that axis
+    gets, after its last assignment of the tile, ``BV = widest_tile(DIM, BV, <the grid's other
+    entries>)``: the widest tile up to the ``widest`` knob that still leaves ``per_sm`` programs per
+    SM, the original where none does.  Every program along that axis repeats the per-row work
+    (loads and normalisation of inputs shared by the row), so a wider tile does it fewer times.
+    """
+    widest, per_sm = int(knobs.get("widest", 64)), int(knobs.get("per_sm", 2))
+    helper = str(knobs.get("helper", "_widest_tile"))
+    changed = []
+    for rel in _files(matches):
+        path = tree / rel
+        src = path.read_text()
+        mod = ast.parse(src)
+        if any(isinstance(n, ast.FunctionDef) and n.name == helper for n in mod.body):
+            continue  # already widened: never touch a file twice
+        kernels = [n for n in mod.body if isinstance(n, ast.FunctionDef) and _is_jit(n)]
+        hosts = [n for n in mod.body if isinstance(n, ast.FunctionDef) and not _is_jit(n)]
+        lines = src.splitlines(keepends=True)
+        inserts: list[tuple[int, str]] = []  # (after line number, text)
+        for kernel in kernels:
+            for axis, tile in _program_tiles(kernel).items():
+                for fn in hosts:
+                    found = _grid_with(tile, axis, fn)
+                    if found is None:
+                        continue
+                    dim, others = found
+                    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                               and isinstance(n.targets[0], ast.Name) and n.targets[0].id == tile]
+                    if not assigns:
+                        continue
+                    last = max(assigns, key=lambda n: n.end_lineno)
+                    indent = lines[last.lineno - 1][:last.col_offset]
+                    other = " * ".join(ast.unparse(x) if isinstance(x, (ast.Name, ast.Constant, ast.Attribute))
+                                        else f"({ast.unparse(x)})" for x in others) or "1"
+                    inserts.append((last.end_lineno, f"{indent}{tile} = {helper}({ast.unparse(dim)}, {tile}, "
+                                                     f"{other})\n"))
+        if not inserts:
+            continue
+        for after, text in sorted(set(inserts), reverse=True):
+            lines.insert(after, text)
+        first_host = min(fn.lineno - len(fn.decorator_list) for fn in hosts)
+        at = first_host - 1
+        while at > 0 and lines[at - 1].strip() == "":
+            at -= 1
+        lines.insert(at, _TILE_HELPER.format(name=helper, widest=widest, per_sm=per_sm).rstrip("\n") + "\n")
+        path.write_text("".join(lines))
+        changed.append(rel)
     return changed

@@ -32,6 +32,8 @@ class OfflineBackend:
                 continue
             app = evaluate(pb, state.feedback, state.tree)
             if not app.applies:
+                if app.reason.startswith("declined: evidence against it"):  # measured evidence said no: say so
+                    notes.append(f"{pb.id} {app.reason}")
                 continue
             if pb.transformation.transform is None:
                 notes.append(f"{pb.id} applies ({app.reason}) but is text only: left for a model or a person")

@@ -185,6 +185,64 @@ def cp_merge_error_growth(ctx: ProbeContext) -> None:
     ctx.check(max(errs) < tol, f"rel. error {max(errs):.1e} at P={sizes[errs.index(max(errs))]} > {tol:g}", **where)
 
 
+@probe(kind="trace")
+def decode_work(ctx: ProbeContext) -> None:
+    """What one pooled decode step does, counted under Triton's interpreter (feedback/workcount.py):
+    how many times each input is fetched, the divisions and special functions executed per output,
+    the programs the grid runs per (sequence, head).  Device-independent: the manifest runs it in
+    the interpreter on every machine.  The counted call's outputs and states are checked against
+    float64 too, so a kernel that skips work cannot show less of it."""
+    from feedback.workcount import WorkCount
+
+    c = ctx.params
+    N, H, K, V = c["batch"], c["H"], c["K"], c["V"]
+    gen = fresh_generator(device=ctx.device)
+    q, k, v, g, beta = make_inputs(N, 1, H, K, V, generator=gen, device=ctx.device)
+    l2norm = bool(c.get("l2norm", True))
+    if l2norm:
+        q, k = (3 * torch.randn(N, 1, H, K, generator=gen, device=ctx.device) for _ in range(2))
+    pool = torch.randn(N + 1, H, K, V, generator=gen, device=ctx.device)
+    pool[0] = float("nan")  # the null slot: never read
+    slots = torch.arange(1, N + 1, dtype=torch.int32, device=ctx.device)
+    before = pool[1:].clone()
+    with WorkCount(q=q, k=k, v=v, g=g, beta=beta, state=pool[1:]) as wc:
+        o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots,
+                                   use_qk_l2norm_in_kernel=l2norm)
+    qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k)) if l2norm else (q, k)
+    ro, rs = _ref(qn, kn, v, g, beta, before)
+    err = max(rel_err(o, ro), rel_err(pool[1:], rs))
+    ctx.metric("max_rel_err", finite(err), better="lower")
+    cond = (f"one pooled decode step, N={N}, H={H}, K={K}, V={V}, "
+            f"in-kernel q/k normalisation {'on' if l2norm else 'off'}")
+    kernel = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=cond)
+    ctx.check(err < float(c.get("tolerance", 1e-5)), f"the counted step's outputs are wrong (rel. error {err:.1e})",
+              **kernel)
+    inputs = ("q", "k", "v", "g", "beta")
+    reads = {name: wc.reads(name) for name in inputs}
+    worst = max(reads, key=reads.get)
+    outputs = N * H * V
+    divisions = wc.ops["fdiv"] / outputs
+    special = sum(wc.ops[kind] for kind in ("sqrt", "rsqrt", "exp", "log", "trig", "erf")) / outputs
+    programs = sum(launch.programs for launch in wc.launches)
+    ctx.metric("max_input_reads", reads[worst], unit="x", better="lower")
+    ctx.metric("state_reads", wc.reads("state"), unit="x", better="lower")
+    ctx.metric("state_writes", wc.writes("state"), unit="x", better="lower")
+    ctx.metric("divisions_per_output", divisions, better="lower")
+    ctx.metric("special_ops_per_output", special, better="lower")
+    ctx.metric("programs_per_head", programs / (N * H), better="lower")
+    grids = ", ".join(f"{launch.kernel}{launch.grid}" for launch in wc.launches)
+    if reads[worst] > 1:
+        ctx.finding(f"{', '.join(n for n in inputs if reads[n] > 1)} fetched {reads[worst]:.0f}x per step: "
+                    f"{programs // (N * H)} programs per (sequence, head) each reload them and repeat their "
+                    "normalisation and gating", param=f"grid {grids}", **kernel)
+    if divisions:
+        ctx.finding(f"{divisions:.3g} divisions per output element ({wc.ops['fdiv']} in the step)",
+                    param=f"grid {grids}", **kernel)
+    if wc.reads("state") > 1 or wc.writes("state") > 1:
+        ctx.finding(f"the state is read {wc.reads('state'):.2f}x and written {wc.writes('state'):.2f}x per step "
+                    "(once each is the minimum)", param=f"grid {grids}", **kernel)
+
+
 @probe(kind="correctness")
 def null_slot(ctx: ProbeContext) -> None:
     """A pooled decode step leaves the null slot (0) bit-identical and reads it as zeros."""

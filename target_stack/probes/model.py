@@ -100,7 +100,7 @@ def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
             tol = None
             if ctx.device == "cuda" and hasattr(torch, "_grouped_mm"):
                 xb = x.to(torch.bfloat16)
-                if moe.to(dtype=torch.bfloat16)._grouped_ok(xb):
+                if moe._grouped_ok(xb):  # the module stays fp32: the fp32 forms above run on it too
                     weights = grouped_gemm_weights(*moe.stacked_weights(), torch.bfloat16)
                     forms[(MOE_GROUPED, "grouped_gemm")] = lambda xb=xb, w=w, idx=idx, g=weights, k=top_k, E=E: \
                         grouped_gemm(xb, w, *device_layout(idx, E), *g, k)

@@ -90,3 +90,20 @@ def test_cache_serves_unchanged_probes_and_misses_after_a_covered_change(toy):
     judge(toy, probe_ids=["toy.segfault"])
     crashed = judge(toy, probe_ids=["toy.segfault"]).results[0]
     assert crashed.status == Status.error and not crashed.cached
+
+
+def test_a_work_counting_probe_gets_the_interpreter_and_no_gpu_on_a_gpu_machine(toy, monkeypatch):
+    """``interpret: true``: the counts are the interpreter's, on every machine; other probes keep the GPU."""
+    import feedback.runner as runner_mod
+
+    manifest = load_manifest(toy)
+    counting = manifest.probes[0].model_copy(update={"interpret": True})
+    plain = manifest.probes[0]
+    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    r = runner_mod.Runner(toy, manifest)
+    env = r.env(counting)
+    assert env["TRITON_INTERPRET"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
+    env = r.env(plain)
+    assert "TRITON_INTERPRET" not in env and "CUDA_VISIBLE_DEVICES" not in env

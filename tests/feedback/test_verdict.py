@@ -252,3 +252,17 @@ def test_an_infinite_error_survives_the_result_file_and_the_cache(tmp_path):
         (r,) = judge(tree, probe_ids=["toy.nan"], cache_dir=tmp_path / "cache").results
         assert r.status == Status.failed and r.cached == cached, r.reason
         assert r.metrics["max_rel_err"].value == float("inf") and r.findings[0].message == "output is NaN"
+
+
+def test_replay_counts_an_acceptance_criterion_only_where_it_held_when_recorded():
+    """A record of one step on the way (a second attempt fixed the rest) replays as it was: the
+    criterion that failed then too is shown, not a regression; one that held then must hold now."""
+    then = [("correctness", result("c"))]
+    now = [result("c")]
+    failing_now = crit(False)
+    step, details = replay_regressions(then, now, [failing_now], recorded_acceptance=[crit(False)])
+    assert step == [] and any("failed when recorded too" in d for d in details)
+    broke, _ = replay_regressions(then, now, [failing_now], recorded_acceptance=[crit(True)])
+    assert len(broke) == 1 and broke[0].startswith("acceptance")
+    legacy, _ = replay_regressions(then, now, [failing_now])  # a record without acceptance: every criterion
+    assert len(legacy) == 1

@@ -33,7 +33,7 @@ def test_every_bundled_scenario_is_complete_and_its_patch_applies_to_the_clean_t
             assert manifest.split_metric(metric) and manifest.split_metric(metric)[0] in probe_ids, (sc.name, c.expr)
 
 
-@pytest.mark.parametrize("name", ["gil-kv-transfer", "cp-tf32"])
+@pytest.mark.parametrize("name", ["gil-kv-transfer", "cp-tf32", "kda-decode-tiles"])
 def test_a_scenario_breaks_its_acceptance_and_the_clean_target_meets_it(tmp_path, name):
     """What the agent is asked to restore really is broken by the starting change: the criteria fail
     on the defective tree and hold on the clean one, judged by the real harness."""

@@ -12,6 +12,7 @@ from feedback.harness import judge
 from feedback.models import FeedbackReport, Finding, Location, Metric, ProbeResult, Status
 from feedback.targets import materialize_bundled
 from playbooks.model import PlaybookError, evaluate, load_library, load_playbook, run_transform
+from tests.support.workcount import KERNEL, count
 
 LIB = load_library()
 
@@ -141,7 +142,53 @@ def test_rsqrt_and_cdll_transforms_edit_only_the_matches(tmp_path):
     assert run_transform(LIB["release-gil-native-calls"], t, gil) == ["n.py"]
     assert (t / "n.py").read_text() == "import ctypes\nlib = ctypes.CDLL('libc.so.6')\n"
     with pytest.raises(PlaybookError, match="text only"):
-        run_transform(LIB["fuse-v-tiles"], t, rs)
+        run_transform(LIB["cuda-graph-decode"], t, rs)
+
+
+def test_the_division_transform_rewrites_sqrt_and_exp_divisors_and_nothing_else(tmp_path):
+    src = ("y = (a + b) / tl.sqrt(tl.sum(c * c) + 1e-6)\n"
+           "h = h / tl.exp(-g)[:, None]\n"
+           "u = u / tl.exp(g * 2)\n"
+           "z = a / b\n")
+    t = tree(tmp_path, {"k.py": src})
+    app = evaluate(LIB["reciprocal-rsqrt"], report(metrics("w.work", divisions_per_output=3.0)), t)
+    assert app.applies and app.evidence == ["w.work.divisions_per_output = 3 > 0"]
+    assert run_transform(LIB["reciprocal-rsqrt"], t, app) == ["k.py"]
+    assert (t / "k.py").read_text() == ("y = (a + b) * tl.rsqrt(tl.sum(c * c) + 1e-6)\n"
+                                        "h = h * tl.exp(g)[:, None]\n"
+                                        "u = u * tl.exp(-(g * 2))\n"
+                                        "z = a / b\n")
+
+
+def test_tile_fusion_declines_on_roofline_evidence_and_says_what_it_measured(tmp_path):
+    t = tree(tmp_path, {"d.py": V_TILED})
+    pb = LIB["fuse-v-tiles"]
+    near_copy = evaluate(pb, report(metrics("k.decode.bench", bandwidth_vs_copy=0.78),
+                                    metrics("k.decode.work", max_input_reads=16.0)), t)
+    assert not near_copy.applies
+    assert near_copy.reason == "declined: evidence against it: k.decode.bench.bandwidth_vs_copy = 0.78 >= 0.75"
+    few_repeats = evaluate(pb, report(metrics("k.decode.work", max_input_reads=4.0)), t)
+    assert not few_repeats.applies and "(measured: k.decode.work.max_input_reads = 4)" in few_repeats.reason
+    assert "bandwidth_vs_copy < 0.6 (not measured here)" in few_repeats.reason
+    counted = evaluate(pb, report(metrics("k.decode.work", max_input_reads=16.0)), t)
+    assert counted.applies and counted.evidence == ["k.decode.work.max_input_reads = 16 > 4"]
+
+
+def test_tile_widening_runs_fewer_programs_with_the_same_results(tmp_path):
+    """The transform on a real kernel that repeats per-row work in every tile: after it, the kernel
+    computes the same outputs, counted under the interpreter, with the row fetched once."""
+    t = tree(tmp_path / "t", {"kern.py": KERNEL})
+    before = count(tmp_path, t / "kern.py")
+    app = evaluate(LIB["fuse-v-tiles"], report(metrics("w.work", max_input_reads=8.0)), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["fuse-v-tiles"], t, app) == ["kern.py"]
+    text = (t / "kern.py").read_text()
+    assert "    BN = _widest_tile(N, BN, rows)\n" in text
+    after = count(tmp_path, t / "kern.py")
+    assert before["grids"] == [[8, 3, 1]] and after["grids"] == [[1, 3, 1]]
+    assert before["reads_x"] == 8 and after["reads_x"] == 1 and after["reads_w"] == 1
+    assert before["err"] < 1e-5 and after["err"] < 1e-5
+    assert run_transform(LIB["fuse-v-tiles"], t, app) == []  # never twice
 
 
 def test_tf32x3_playbook_fixes_an_implicit_tf32_merge_in_the_bundled_target(tmp_path):

@@ -72,7 +72,7 @@ DEFECTS = {
         RUNNER, "lengths = torch.tensor([s.length for s in seqs], device=self.device)",
         "lengths = torch.tensor([s.length - 1 for s in seqs], device=self.device)"),
     "in-kernel k normalisation dropped": (
-        RECURRENT, "            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)\n", ""),
+        RECURRENT, "            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)\n", ""),
     "last chunk decays past the sequence end": (
         CHUNK, "t_last = tl.minimum(t0 + BT, eos) - 1\n        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k",
         "t_last = t0 + BT - 1\n        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k"),

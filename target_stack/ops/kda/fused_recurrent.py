@@ -3,7 +3,8 @@
 One program per (V tile, sequence, head) keeps its [K, BV] slice of the state in registers and
 walks the tokens: decay, delta-rule correction, rank-one update, readout.  Every V tile of a
 head loads the same q, k, g and beta and repeats their normalisation and gating; on a
-memory-bound step that is free, where the step is issue-bound it is not (DESIGN.md).
+memory-bound step that is free, where the step is issue-bound it is not (DESIGN.md).  The
+``kda.decode.work`` probe counts that repetition under the interpreter (``feedback/workcount.py``).
 
 With ``ssm_state_indices`` the ``initial_state`` is a pool of state slots ``[num_slots, H, K, V]``
 read and updated in place, one slot per sequence.  Slot 0 is the null slot: rows that point at
@@ -55,8 +56,8 @@ def _kda_fused_recurrent_kernel(
         b_v = tl.load(v + (tok * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_b = tl.load(beta + tok * H + i_h).to(tl.float32)
         if L2NORM_QK:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
         if BETA_SIGMOID:
             b_b = tl.sigmoid(b_b)
         b_h *= tl.exp(b_g)[:, None]
