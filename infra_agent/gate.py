@@ -5,8 +5,10 @@ constants, scales and quantisation, accumulation or reduction order), **concurre
 locks, GIL release or acquire in Python, C or C++, async code, CUDA streams and events,
 synchronisation, shared buffers) and **production** (serving defaults, scheduler limits,
 timeouts, memory limits, deployment files).  Built-in rules, the target manifest's ``risk``
-rules, and Python AST checks on the patched files.  A patch touching a protected path is
-refused outright; an error inside the classifier counts as high risk.
+rules, and Python AST checks on the patched files.  A patch touching a protected path, or
+reaching the judges some other way (``infra_agent/tamper.py``: self-loaded files, renames and mode
+changes, imports of the harness or the references, monkeypatching, introspection, the probes'
+environment), is refused outright; an error inside the classifier counts as high risk.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from feedback.manifest import Manifest
+from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
 
 
@@ -167,6 +170,13 @@ def _patched_sources(patch: Patch, tree: pathlib.Path) -> dict[str, str]:
         return {rel: (pathlib.Path(tmp) / rel).read_text() for rel in py}
 
 
+def _old_path(header: str) -> str | None:
+    path = header[4:].split("\t")[0].strip()
+    if path == "/dev/null":
+        return None
+    return path[2:] if path.startswith(("a/", "b/")) else path
+
+
 def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = None) -> Assessment:
     """Classify a parsed patch.  With ``tree`` (the target before the patch) AST checks run too."""
     for f in patch.files:
@@ -175,6 +185,12 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
             return Assessment(refused=f"{f.path} is protected ({pat}): probes, references, tests and the "
                                       "manifest judge a change and may not be changed by it")
     try:
+        sources = _patched_sources(patch, pathlib.Path(tree)) if tree is not None else {}
+        added = {f.path: {no for no, _ in f.added} for f in patch.files}
+        old_paths = [_old_path(ln) for ln in patch.diff.splitlines() if ln.startswith("--- ")]
+        why = tamper.refusal(patch.diff, patch.paths, [p for p in old_paths if p], sources, added, manifest)
+        if why:
+            return Assessment(refused=f"the patch reaches what judges it: {why}")
         findings: list[RiskFinding] = []
         custom = [Rule(r.id, r.category, r.pattern, tuple(r.paths)) for r in manifest.risk]
         for rule in (*BUILTIN, *custom):
@@ -192,10 +208,8 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
                     if rx is not None and rx.search(text):
                         findings.append(RiskFinding(rule=rule.id, category=rule.category, file=f.path, line=no,
                                                     text=text))
-        if tree is not None:
-            for rel, source in _patched_sources(patch, pathlib.Path(tree)).items():
-                added = {no for f in patch.files if f.path == rel for no, _ in f.added}
-                findings += ast_findings(rel, source, added)
+        for rel, source in sources.items():
+            findings += ast_findings(rel, source, added.get(rel, set()))
         seen, unique = set(), []
         for f in findings:
             key = (f.rule, f.file, f.line)

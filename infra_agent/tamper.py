@@ -1,0 +1,131 @@
+"""Reaching the judges: what a candidate patch may never do, whatever its verdict would be.
+
+The probes, the references and the harness judge a change from outside it; a patch written to be
+judged "better" can instead try to reach them.  These checks read the diff alone (and the
+patched text of its Python files) and refuse such a patch with the reason:
+
+* files that Python or pytest load by themselves, before any probe code runs: ``conftest.py``,
+  ``sitecustomize.py``, ``usercustomize.py``, ``*.pth``;
+* anything but a content edit: renames and copies (a protected file moved out of the way, or a
+  file moved onto a protected path), mode changes, symbolic links, binary patches, and an old path
+  (``--- a/...``) that is protected;
+* in added Python lines: importing the harness (``feedback``, ``infra_agent``, ``playbooks``) or a
+  module whose file is protected (a kernel that calls the float64 reference, a probe's helpers);
+  rebinding an attribute of an imported module to a function or another object (``time.perf_counter
+  = ...``, ``setattr(torch.cuda.Event, ...)``: timer patching and monkeypatching; a flag set to a
+  constant is left to the risk rules); introspection that reaches other frames or every live
+  object (``gc.get_objects``, ``inspect.currentframe``, ``sys._getframe``, ``sys.settrace``, writes to
+  ``sys.modules`` or ``builtins``); writing an environment variable the harness sets for probes.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+from feedback.manifest import Manifest
+
+HARNESS_PACKAGES = ("feedback", "infra_agent", "playbooks")
+SELF_LOADED = ("conftest.py", "sitecustomize.py", "usercustomize.py")
+INTROSPECTION = ("gc.get_objects", "gc.get_referrers", "gc.get_referents", "inspect.currentframe", "inspect.stack",
+                 "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace", "sys._getframe",
+                 "sys._current_frames", "sys.settrace", "sys.setprofile", "threading.settrace",
+                 "threading.setprofile")
+#: variables the harness sets in a probe's environment (feedback/runner.py), by prefix
+HARNESS_ENV = ("INFRA_AGENT_", "TRITON_", "PYTHON", "CUDA_VISIBLE_DEVICES", "TARGET_STACK_")
+_HEADERS = re.compile(r"^(rename from|rename to|copy from|copy to|old mode|new mode|new file mode 120000|"
+                      r"GIT binary patch|Binary files )", re.MULTILINE)
+
+
+def refusal(diff: str, paths: list[str], old_paths: list[str], sources: dict[str, str],
+            added: dict[str, set[int]], manifest: Manifest) -> str | None:
+    """Why the patch reaches the judges, or None.  ``sources``: the patched text of its Python files;
+    ``added``: their added line numbers."""
+    for rel in paths:
+        name = pathlib.PurePosixPath(rel).name
+        if name in SELF_LOADED or name.endswith(".pth"):
+            return f"{rel}: a file the interpreter or pytest loads by itself, before the probes' code"
+    for rel in old_paths:
+        if (pat := manifest.is_protected(rel)) is not None:
+            return f"{rel} is protected ({pat}) and the patch removes or moves it"
+    if m := _HEADERS.search(diff):
+        return (f"'{m.group(0).strip()}': only content edits are judged (no renames, copies, mode changes, "
+                "symbolic links or binary patches)")
+    for rel, source in sources.items():
+        if why := _python(rel, source, added.get(rel, set()), manifest):
+            return why
+    return None
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _module_file(module: str) -> list[str]:
+    base = module.replace(".", "/")
+    return [f"{base}.py", f"{base}/__init__.py"]
+
+
+def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str | None:
+    tree = ast.parse(source)
+    modules: set[str] = set()  # names bound to imported modules anywhere in the file
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {(a.asname or a.name.split(".")[0]) for a in node.names}
+    text = source.splitlines()
+
+    def at(node: ast.AST, why: str) -> str:
+        return f"{rel}:{node.lineno}: {why}: {text[node.lineno - 1].strip()[:100]}"
+
+    for node in ast.walk(tree):
+        if not hasattr(node, "lineno") or node.lineno not in lines:
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif node.level:  # relative: from the patched file's package
+                package = list(pathlib.PurePosixPath(rel).parent.parts)
+                package = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+                names = [".".join([*package, *(node.module.split(".") if node.module else [])])]
+                names += [f"{names[0]}.{a.name}" for a in node.names]  # from . import naive
+            else:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                if name.split(".")[0] in HARNESS_PACKAGES:
+                    return at(node, f"imports the harness ({name})")
+                for candidate in _module_file(name):
+                    if (pat := manifest.is_protected(candidate)) is not None:
+                        return at(node, f"imports {name}, a protected module ({pat}): the judges' own code")
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else \
+            node.targets if isinstance(node, ast.Delete) else []
+        for t in targets:
+            root = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")[0]
+            value = getattr(node, "value", None)
+            callable_value = isinstance(value, (ast.Lambda, ast.Name, ast.Attribute, ast.Call)) or value is None
+            if isinstance(t, ast.Attribute) and root in modules and callable_value:  # a flag set to a constant
+                return at(node, f"rebinds {_dotted(t)}, an attribute of an imported module (monkeypatching)")
+            if isinstance(t, ast.Subscript) and _dotted(t.value) in ("sys.modules", "os.environ"):
+                key = t.slice.value if isinstance(t.slice, ast.Constant) else None
+                if _dotted(t.value) == "sys.modules" or not isinstance(key, str) or key.startswith(HARNESS_ENV):
+                    return at(node, f"writes {_dotted(t.value)}[{key!r}]")
+            if root == "builtins" or _dotted(t) == "__builtins__":
+                return at(node, "rebinds a builtin")
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            if name in INTROSPECTION:
+                return at(node, f"calls {name} (introspection that reaches the harness's objects or frames)")
+            if name == "setattr" and node.args and _dotted(node.args[0]).split(".")[0] in modules:
+                return at(node, f"setattr on {_dotted(node.args[0])}, an imported module (monkeypatching)")
+            if name in ("os.putenv", "os.unsetenv", "os.environ.update", "os.environ.setdefault", "os.environ.pop"):
+                key = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+                if not isinstance(key, str) or key.startswith(HARNESS_ENV):
+                    return at(node, f"{name}({key!r}): an environment variable the harness sets for probes")
+    return None
