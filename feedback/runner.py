@@ -5,7 +5,8 @@
 * Without a GPU the probe process gets ``TRITON_INTERPRET=1`` and the dot-precision emulation
   (``INFRA_AGENT_EMULATE_DOT=1``), so tf32 bugs show on a CPU.  A probe declared ``interpret: true``
   (it counts a kernel's work, never times it) gets the interpreter and no GPU on every machine.
-* Each probe is its own process group: past ``budget_s`` the whole group is killed.
+* Each probe is its own process group: past ``budget_s`` the whole group is killed, and a harness
+  killed outright takes the group with it (``feedback/lifeline.py``).
 * The cache key is the content of every covered file and of the probe's own module, the probe
   spec (params, thresholds), and the environment; a hit is reported with ``cached: true``.
 """
@@ -29,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from feedback.lifeline import HARNESS_PID
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
 from feedback.state import StateDir
@@ -139,6 +141,7 @@ class Runner:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a probe killed by a signal still says where it was (crash_site)
+        env[HARNESS_PID] = str(os.getpid())  # the probe dies with the harness (feedback/lifeline.py)
         if not gpu_present():
             env["TRITON_INTERPRET"] = "1"
             if self.emulate:
@@ -278,7 +281,8 @@ class Runner:
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""
-        rc, stdout, stderr, secs, timed_out = self._spawn(spec, spec.command, shell=True)
+        argv = [sys.executable, "-m", "feedback.lifeline", "--", spec.command]  # the shell dies with the harness
+        rc, stdout, stderr, secs, timed_out = self._spawn(spec, argv, shell=False)
         base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
         if timed_out:
             return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "

@@ -29,6 +29,9 @@ def _innermost_tree_frame(tb, tree: pathlib.Path) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    from feedback import lifeline
+
+    lifeline.bind()  # a harness killed outright takes this probe and its children with it
     request = json.loads(pathlib.Path(argv[0]).read_text())
     out = pathlib.Path(argv[1])
     tree = pathlib.Path(request["tree"]).resolve()
