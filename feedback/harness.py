@@ -44,12 +44,18 @@ def judge(
     extra_env: dict[str, str] | None = None,
     on_start: Callable[[list[ProbeSpec]], None] | None = None,
     on_result: Callable[[str, ProbeResult], None] | None = None,
+    same_judges: bool = False,
 ) -> FeedbackReport:
     """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
 
     Probes are the named ones, or those whose covers match ``changed``, or all of them.  Stages
     run cheapest first (static, correctness, microbench, trace, events, e2e); the cascade stops
     after the first stage in which a candidate probe fails, unless ``run_all``.
+
+    The judges (the manifest, the protected files, the probes' modules) are hashed before and after
+    the run: a candidate whose code changed them while its probes ran is judged ``incorrect``, and
+    with ``same_judges`` (a candidate patch, which may not touch them) so is one whose judges differ
+    from the baseline's.
     """
     t0 = time.perf_counter()
     tree = pathlib.Path(tree).resolve()
@@ -68,6 +74,7 @@ def judge(
         base_manifest = _baseline_manifest(pathlib.Path(baseline_tree), manifest)
         base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
                              extra_env=extra_env)
+    judges_before = content_hashes(tree, manifest, specs)
     if on_start:
         on_start(specs)
 
@@ -86,18 +93,27 @@ def judge(
             stopped = stage if stage != cascade[-1][0] else None
             break
 
+    judges_changed = [f"{path} changed while the candidate's probes ran"
+                      for path in _differing(judges_before, content_hashes(tree, manifest, specs))]
+    if same_judges and baseline_tree is not None:
+        base_judges = content_hashes(pathlib.Path(baseline_tree).resolve(), base_runner.manifest, specs)
+        judges_changed += [f"{path} differs from the baseline's" for path in _differing(base_judges, judges_before)]
     report = FeedbackReport(
         target=manifest.name, candidate=label or str(tree), baseline=baseline_label, selection=selection,
         results=results, baseline_results=base_results,
         comparisons=compare(manifest, results, base_results, localise),
         acceptance=evaluate_acceptance(manifest, results),
         baseline_acceptance=evaluate_acceptance(manifest, base_results) if base_runner is not None else [],
-        hashes=content_hashes(tree, manifest, specs), stopped_at=stopped,
+        hashes=judges_before, judges_changed=judges_changed, stopped_at=stopped,
         duration_s=time.perf_counter() - t0,
     )
     if base_runner is not None:
         report.verdict = verdict(report)
     return report
+
+
+def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
 
 
 def _has(manifest: Manifest, pid: str) -> bool:

@@ -213,6 +213,9 @@ class FeedbackReport(_Model):
     baseline_acceptance: list[CriterionResult] = Field(default_factory=list)
     verdict: Verdict | None = None  # the candidate's judgement, when there is a baseline
     hashes: dict[str, str] = Field(default_factory=dict)  # probe and reference files -> sha256
+    # what was found changed in the judges (the hashes above): against the baseline's, where they must be
+    # the same, or while the candidate's probes ran; any entry makes the verdict "incorrect"
+    judges_changed: list[str] = Field(default_factory=list)
     stopped_at: str | None = None  # the cascade stage that failed, when the cascade stopped early
     duration_s: float = 0.0
 

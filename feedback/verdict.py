@@ -20,11 +20,12 @@ The noise rule.  A performance metric changes only when the evidence says so:
   baseline's repeats against each other (an A/A comparison: the largest ratio between two runs of
   the same tree), never below :data:`MIN_NOISE`.
 
-Verdicts, in the order they win: ``incorrect`` (a probe or acceptance criterion that held on the
-baseline fails on the candidate, errors or times out there), ``inconclusive`` (a probe errors or
-times out on both sides, or the environment failed: the probe is broken, not the candidate),
-``better`` (a failing probe or criterion now holds), ``worse`` (a performance metric regressed
-beyond the noise), ``better`` (improved beyond the noise), ``unchanged``.
+Verdicts, in the order they win: ``incorrect`` (the judges were changed: see ``harness.judge``; or
+a probe or acceptance criterion that held on the baseline fails on the candidate, errors or times
+out there), ``inconclusive`` (a probe errors or times out on both sides, or the environment failed:
+the probe is broken, not the candidate), ``better`` (a failing probe or criterion now holds),
+``worse`` (a performance metric regressed beyond the noise), ``better`` (improved beyond the
+noise), ``unchanged``.
 """
 
 from __future__ import annotations
@@ -229,6 +230,9 @@ def verdict(report: FeedbackReport) -> Verdict:
                 if d.verdict == "improved"]
     parts = dict(broke=broke, fixed=fixed, broken_probes=broken, still_failing=still, regressed=regressed,
                  improved=improved)
+    if report.judges_changed:
+        return Verdict(name="incorrect", reason="the judges were tampered with: "
+                       + "; ".join(report.judges_changed[:4]), **parts)
     if broke:
         return Verdict(name="incorrect", reason=f"{len(broke)} check(s) that held on the baseline fail: "
                        + "; ".join(broke[:4]), **parts)

@@ -247,7 +247,7 @@ class Agent:
         self.emit("judging", {"what": cand.name, "files": patch.paths})
         base = self.ws.baseline()
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
-                       label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir)
+                       label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True)
         record.report = report
         judgement = report.verdict or verdict(report)
         record.verdict, record.reason = judgement.name, judgement.reason

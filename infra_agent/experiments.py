@@ -71,6 +71,7 @@ class ExperimentRecord(BaseModel):
     risk: list[str] = Field(default_factory=list)
     probes: list[ProbeRecord] = Field(default_factory=list)
     acceptance: list[dict] = Field(default_factory=list)
+    judges: dict[str, str] = Field(default_factory=dict)  # what judged it: sha256 of the manifest, probes, references
     verdict: str
     decision: Decision
     backend: str
@@ -151,6 +152,7 @@ def attempt_record(attempt: Attempt, ws: Workspace, base_commit: str, backend: s
                             result=r.model_copy(update={"stdout": "", "stderr": r.stderr[-1000:]}))
                 for r in (report.results if report else [])],
         acceptance=[c.model_dump() for c in (report.acceptance if report else [])],
+        judges=dict(report.hashes) if report else {},
         verdict=attempt.verdict,
         decision=Decision(status=status, reason=attempt.reason, review_item=attempt.review_id,
                           commit=attempt.commit, branch=attempt.branch),
@@ -233,19 +235,24 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
         # the candidate, in the same run (the recorded numbers are from another day and machine load)
         perf = [p.id for p in rec.probes if judged_by_performance(p.kind)]
         by_status = [p.id for p in rec.probes if p.id not in perf]
-        results, side_by_side = [], None
+        results, side_by_side, judges = [], None, {}
         if by_status:
-            results += judge(tree, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False).results
+            report = judge(tree, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False)
+            results, judges = report.results, {**report.hashes}
         if perf:
             base = rebuild_base(rec.base, pathlib.Path(tmp) / "base")
             report = judge(tree, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
                            baseline_label="the record's base")
-            results, side_by_side = results + report.results, report.comparisons
+            results, side_by_side, judges = results + report.results, report.comparisons, {**judges, **report.hashes}
     regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes], results,
                                             evaluate_acceptance(manifest, results) if results else [],
                                             against_base=side_by_side,
                                             recorded_acceptance=[CriterionResult.model_validate(a)
                                                                  for a in rec.acceptance] or None)
+    other = sorted(p for p in rec.judges if p in judges and judges[p] != rec.judges[p])
+    if other:  # the verdicts above are today's judges' word on the recorded patch, not the recorded ones'
+        details.append(f"judged by other judges than recorded: {len(other)} file(s) changed since "
+                       f"({', '.join(other[:4])})")
     reason = "; ".join(regressed) if regressed else f"{len(rec.probes)} probe verdict(s) and acceptance hold"
     return ReplayResult(record=rec.id, path=str(path), status="regressed" if regressed else "pass", reason=reason,
                         details=details, duration_s=time.perf_counter() - t0)

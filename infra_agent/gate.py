@@ -47,6 +47,10 @@ BUILTIN: tuple[Rule, ...] = (
          r"input_precision|allow_tf32|set_float32_matmul_precision|\btf32|\bieee\b|allow_fp16_reduced", CODE),
     Rule("num.eps-tolerance", "numerics", r"\b(eps|epsilon|atol|rtol|tol|tolerance)\b\s*[=:]|\b\d*\.?\d+e-\d+", CODE),
     Rule("num.scale-quant", "numerics", r"\bscale[sd]?\b|quant|\bint8\b|\bfp8\b|e4m3|e5m2|amax|absmax", CODE),
+    Rule("num.clamp-range", "numerics",
+         r"\bclamp(_min|_max|_)?\(|\bclip\(|tl\.(minimum|maximum|clamp)\(|\bnan_to_num\(|\bfmin\(|\bfmax\(", CODE),
+    Rule("num.approximate", "numerics",
+         r"\brsqrt\b|\bexp2\b|\blog2\b|\bfast_\w+|\bapprox\b|libdevice|fast_math|-ffast-math", CODE),
     Rule("num.reduction-order", "numerics",
          r"tl\.(sum|cumsum|reduce|associative_scan|dot|atomic_add)|\.(sum|cumsum|mean)\(|accumulat|split_k|splitk",
          CODE),
@@ -56,6 +60,10 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("conc.locks", "concurrency",
          r"\b(R?Lock|Semaphore|BoundedSemaphore|Condition|Barrier)\(|\.acquire\(|\.release\(|std::mutex|"
          r"pthread_mutex|lock_guard|unique_lock", CODE),
+    Rule("conc.sync", "concurrency",  # a lock held by a with-block, waits, notifications, barriers, queue bounds
+         r"\bwith\s+[\w.]*(lock|mutex|cond|sem|guard)\w*\s*:|\.wait(_for)?\(|\.notify(_all)?\(|\bbarrier\(|"
+         r"\bQueue\(|\bmaxsize\b|\bEvent\(\)|\bwait_event\(|\.record\(|\bquery\(\)|\bjoin\(\s*(timeout\s*=\s*[\d.]+)?\s*\)|__sync|\bmemory_order",
+         CODE),
     Rule("conc.gil", "concurrency",
          r"Py_(BEGIN|END)_ALLOW_THREADS|PyGILState_|PyEval_(Save|Restore)Thread|\bPyDLL\b|\bCDLL\b|\bnogil\b|"
          r"gil_scoped_(release|acquire)|release_gil", CODE),
@@ -69,6 +77,11 @@ BUILTIN: tuple[Rule, ...] = (
          r"\b(max_batch\w*|max_num_seqs|max_tokens|max_model_len|max_num_batched_tokens|port|host|workers?|"
          r"gpu_memory_utilization|mem_fraction\w*|memory_limit\w*|max_queue\w*|max_wait\w*|timeout\w*|"
          r"keep_alive)\b\s*[=:]", ("*",)),
+    Rule("prod.exposure", "production",  # what a server binds, accepts and asks for
+         r"0\.0\.0\.0|127\.0\.0\.1|localhost|\b(bind|listen|HTTPServer|ThreadingHTTPServer|serve_forever)\b|"
+         r"\b(api_key|authenticat\w*|authoriz\w*|Authorization|bearer|allow_origins|cors|ssl_\w+|tls_\w+|"
+         r"certfile|keyfile)\b|"
+         r"\b(max_request\w*|max_body\w*|max_content_length|rate_limit\w*|max_connections)\b", ("*",)),
     Rule("prod.deployment-files", "production", None,
          ("Dockerfile*", "*/Dockerfile*", "docker-compose*", "*/docker-compose*", "deploy/*", "*/deploy/*",
           "k8s/*", "helm/*", "charts/*", ".github/workflows/*", "*.service", "Procfile"), whole_file=True),
@@ -151,19 +164,19 @@ def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
 
 
 def _patched_sources(patch: Patch, tree: pathlib.Path) -> dict[str, str]:
-    """The post-patch text of every Python file the patch touches (applied to a scratch copy)."""
+    """The post-patch text of every Python file the patch touches, the whole patch applied to a
+    scratch copy of the files it touches (a diff that does not apply is an error, whatever the file)."""
     py = [f.path for f in patch.files if f.path.endswith(".py") and f.added]
-    if not py:
-        return {}
+    touched = [f.path for f in patch.files]
     with tempfile.TemporaryDirectory(prefix="infra-agent-gate-") as tmp:
-        for rel in py:
+        for rel in touched:
             src = tree / rel
             dst = pathlib.Path(tmp) / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if src.is_file():
                 dst.write_bytes(src.read_bytes())
         proc = subprocess.run(["git", "apply", "--recount", "--unidiff-zero", "--whitespace=nowarn",
-                               *[f"--include={p}" for p in py], "-"], cwd=tmp, input=patch.diff,
+                               *[f"--include={p}" for p in touched], "-"], cwd=tmp, input=patch.diff,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise PatchError("the diff does not apply to the target: " + proc.stderr.strip()[:200])
@@ -184,6 +197,9 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         if pat:
             return Assessment(refused=f"{f.path} is protected ({pat}): probes, references, tests and the "
                                       "manifest judge a change and may not be changed by it")
+    if "\r" in patch.diff:
+        return Assessment(error="the diff has carriage returns (CRLF line endings): it would change line endings, "
+                                "not only content; send it with LF endings")
     try:
         sources = _patched_sources(patch, pathlib.Path(tree)) if tree is not None else {}
         added = {f.path: {no for no, _ in f.added} for f in patch.files}

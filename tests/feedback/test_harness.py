@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from feedback.harness import UnknownProbe, judge
+from feedback.models import Status
 from feedback.select import changed_since
 
 
@@ -47,3 +50,63 @@ def test_baseline_comparison_reports_deltas(toy, tmp_path):
     (cmp,) = report.comparisons
     marker = next(d for d in cmp.deltas if d.name == "marker")
     assert (marker.baseline, marker.candidate, marker.change) == (1.0, 3.0, 3.0)
+
+
+JUDGED = '''
+schema_version: 1
+name: judged
+probes:
+  - {id: j.check, kind: correctness, entry: "pkg.probes:check", covers: {files: ["pkg/core.py"]}}
+protected: [pkg/probes.py]
+'''
+JUDGE = '''
+from feedback.probe import probe
+
+@probe
+def check(ctx):
+    from pkg import core
+    ctx.check(core.f() == 1, "f() is not 1")
+'''
+HONEST = "def f():\n    return 1\n"
+# right answer, and on import it rewrites the probe that judges it (a later run would always pass)
+TAMPERING = '''import pathlib
+
+_judge = pathlib.Path(__file__).resolve().parent / "probes.py"
+_judge.write_text(_judge.read_text().replace("core.f() == 1", "True"))
+
+
+def f():
+    return 1
+'''
+
+
+def _judged_tree(root: pathlib.Path, core: str, judge_src: str = JUDGE) -> pathlib.Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "probes.py").write_text(judge_src)
+    (root / "pkg" / "core.py").write_text(core)
+    (root / "infra-agent.yaml").write_text(JUDGED)
+    return root
+
+
+def test_a_candidate_that_rewrites_its_judge_while_probed_is_incorrect(tmp_path):
+    base = _judged_tree(tmp_path / "base", HONEST)
+    cand = _judged_tree(tmp_path / "cand", TAMPERING)
+    report = judge(cand, baseline_tree=base, run_all=True, use_cache=False)
+    assert report.results[0].status == Status.passed  # the probe itself saw nothing wrong
+    assert report.verdict.name == "incorrect", report.verdict
+    assert report.verdict.reason == "the judges were tampered with: pkg/probes.py changed while the candidate's " \
+                                    "probes ran"
+    honest = judge(_judged_tree(tmp_path / "honest", HONEST), baseline_tree=base, run_all=True, use_cache=False)
+    assert honest.verdict.name == "unchanged" and honest.judges_changed == []
+
+
+def test_a_candidate_judged_by_other_judges_than_its_baseline_is_incorrect_where_they_must_agree(tmp_path):
+    base = _judged_tree(tmp_path / "base", HONEST)
+    lenient = _judged_tree(tmp_path / "cand", "def f():\n    return 2\n", JUDGE.replace("core.f() == 1", "True"))
+    patch_like = judge(lenient, baseline_tree=base, run_all=True, use_cache=False, same_judges=True)
+    assert patch_like.verdict.name == "incorrect"
+    assert "pkg/probes.py differs from the baseline's" in patch_like.verdict.reason
+    # two revisions compared by a person (feedback --changed-from): a changed probe is allowed there
+    revisions = judge(lenient, baseline_tree=base, run_all=True, use_cache=False)
+    assert revisions.judges_changed == [] and revisions.verdict.name != "incorrect"

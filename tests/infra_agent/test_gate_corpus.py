@@ -1,0 +1,78 @@
+"""A corpus of real diffs of the bundled target, each with the decision the gate must reach: the
+synchronisation, exposure and numerics changes that use no dtype word are held, so are malformed
+and CRLF diffs; harmless edits are clean.  Each diff is made by git from an edit of the real file."""
+
+from __future__ import annotations
+
+import git
+import pytest
+
+from feedback.manifest import load_manifest
+from feedback.targets import materialize_bundled
+from infra_agent.gate import assess_text
+
+CACHE = "target_stack/engine/cache.py"
+TRANSFER = "target_stack/engine/disagg/transfer.py"
+SERVE = "target_stack/serve.py"
+LAYERS = "target_stack/model/layers.py"
+QUANT = "target_stack/model/quant.py"
+SAMPLER = "target_stack/engine/sampler.py"
+
+# name: (file, old, new, decision, category or None)
+CORPUS = {
+    "a lock's with-block removed": (CACHE, "        with self._lock:\n            if count > len(self._free):",
+                                    "        if True:\n            if count > len(self._free):", "held", "concurrency"),
+    "a stream wait dropped": (TRANSFER, "                        self.stream.wait_event(item.event)\n", "",
+                              "held", "concurrency"),
+    "a synchronize dropped": (TRANSFER, "                        self.stream.synchronize()\n", "", "held",
+                              "concurrency"),
+    "the server binds every interface": (SERVE, 'ThreadingHTTPServer(("127.0.0.1", args.http), handler)',
+                                         'ThreadingHTTPServer(("0.0.0.0", args.http), handler)', "held", "production"),
+    "a default request limit raised": (SERVE, 'body.get("max_tokens", 16)', 'body.get("max_tokens", 4096)', "held",
+                                       "production"),
+    "an epsilon without the word eps": (LAYERS, "clamp_min(1e-9), idx", "clamp_min(1e-3), idx", "held", "numerics"),
+    "a quantisation clamp range": (QUANT, "clamp_(-127, 127).to(torch.int8), scale",
+                                   "clamp_(-128, 127).to(torch.int8), scale", "held", "numerics"),
+    "a reduction reordered": (SAMPLER, "before = sorted_p.cumsum(-1) - sorted_p",
+                              "before = sorted_p.flip(-1).cumsum(-1).flip(-1) - sorted_p", "held", "numerics"),
+    "a comment reworded": (CACHE, "        with self._lock:\n            if count > len(self._free):",
+                           "        with self._lock:  # one owner at a time\n            if count > len(self._free):",
+                           "held", "concurrency"),  # it touches the lock's line: a person looks
+    "a heading of the scenarios' notes": ("target_stack/scenarios/README.md", "# target_stack scenarios",
+                                          "# The scenarios of target_stack", "clean", None),
+}
+
+
+def _diff(tmp_path, rel: str, old: str, new: str) -> tuple[str, object]:
+    root = materialize_bundled(tmp_path / "t")
+    repo = git.Repo.init(root)
+    repo.git.add(A=True)
+    repo.index.commit("base", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    path = root / rel
+    text = path.read_text()
+    assert old in text, (rel, old)
+    path.write_text(text.replace(old, new, 1))
+    diff = repo.git.diff() + "\n"
+    repo.git.checkout("--", rel)
+    return diff, root
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_the_gate_decides_each_real_diff_as_expected(tmp_path, name):
+    rel, old, new, decision, category = CORPUS[name]
+    diff, root = _diff(tmp_path, rel, old, new)
+    result = assess_text(diff, load_manifest(root), tree=root)
+    assert result.decision == decision, (name, [f.render() for f in result.findings], result.error)
+    if category:
+        assert category in result.categories, (name, result.categories)
+
+
+def test_crlf_and_malformed_diffs_are_never_clean(tmp_path):
+    diff, root = _diff(tmp_path, "target_stack/scenarios/README.md", "# target_stack scenarios",
+                       "# The scenarios of target_stack")
+    manifest = load_manifest(root)
+    assert assess_text(diff, manifest, tree=root).decision == "clean"  # the same change, LF: clean
+    crlf = diff.replace("\n", "\r\n")
+    assert assess_text(crlf, manifest, tree=root).decision in ("held", "error", "refused")
+    cut = diff[: len(diff) // 2]
+    assert assess_text(cut, manifest, tree=root).decision in ("held", "error")
