@@ -37,6 +37,7 @@ from feedback.state import StateDir
 from feedback.verdict import combine_runs, repeats_for
 
 TAIL = 4000  # characters of stdout/stderr kept in a result
+_SECRET_VAR = re.compile(r"(API_KEY|_TOKEN|_SECRET|PASSWORD|_CREDENTIALS)$", re.IGNORECASE)
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -133,7 +134,9 @@ class Runner:
     # --- running ----------------------------------------------------------------------------
 
     def env(self, spec: ProbeSpec | None = None) -> dict[str, str]:
-        env = dict(os.environ)
+        # no credentials: a probe (and the candidate code it imports) has no use for them, and whatever
+        # it prints ends up in results and records
+        env = {k: v for k, v in os.environ.items() if not _SECRET_VAR.search(k)}
         roots = [str(self.tree / r) for r in self.manifest.python_path]
         # the tree's import roots first; the harness after, for feedback.* itself
         env["PYTHONPATH"] = os.pathsep.join(roots + [str(HARNESS_ROOT)] +

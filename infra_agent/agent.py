@@ -164,7 +164,7 @@ class Agent:
 
     def _one_step(self) -> None:
         try:
-            action = self.backend.next_action(self.state())
+            action = self.backend.next_action(self.state()).redacted()
             action.validate()
         except FormatError as exc:
             self.format_errors += 1

@@ -18,6 +18,7 @@ from feedback.harness import judge
 from feedback.models import FeedbackReport, Status
 from feedback.state import SKIP_PARTS
 from infra_agent.exceptions import FormatError
+from infra_agent.trajectory import redact
 from playbooks.model import load_library
 
 if TYPE_CHECKING:
@@ -62,6 +63,21 @@ class Action:
     args: dict[str, Any]
     message: dict | None = None  # the assistant message that carried it (OpenAI format)
     call_id: str | None = None
+
+    def redacted(self) -> Action:
+        """The action with every string argument redacted (trajectory.redact): a key the model repeats
+        must not reach a hypothesis, a summary, a commit message or a record."""
+
+        def clean(v):
+            if isinstance(v, str):
+                return redact(v)
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return v
+
+        return dataclasses.replace(self, args=clean(self.args))
 
     def validate(self) -> None:
         """Raise :class:`FormatError` unless this is a known tool with its required, well-typed arguments."""

@@ -107,3 +107,13 @@ def test_a_work_counting_probe_gets_the_interpreter_and_no_gpu_on_a_gpu_machine(
     assert env["TRITON_INTERPRET"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
     env = r.env(plain)
     assert "TRITON_INTERPRET" not in env and "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_probes_get_no_credentials(toy, monkeypatch):
+    import feedback.runner as runner_mod
+
+    monkeypatch.setenv("OPENAI_API_KEY", "zq-not-for-probes-123456")
+    monkeypatch.setenv("HF_TOKEN", "hf-not-for-probes")
+    monkeypatch.setenv("INFRA_AGENT_KEEP", "1")
+    env = runner_mod.Runner(toy, load_manifest(toy)).env()
+    assert "OPENAI_API_KEY" not in env and "HF_TOKEN" not in env and env["INFRA_AGENT_KEEP"] == "1"
