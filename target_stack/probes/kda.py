@@ -106,11 +106,13 @@ def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
     access in the interpreter) fails at its own condition."""
     tol = float(ctx.params.get("tolerance", 1e-5))
     worst = 0.0
-    for case in ctx.params["cases"]:
+    for i, case in enumerate(ctx.params["cases"]):
         shape = ", ".join(f"{k}={v}" for k, v in case.items())
         where = dict(file=file, kernel=kernel, condition=shape)
-        done, result = isolated(ctx, lambda case=case: compare_sweep(_case_kernel(fn, case), _case_ref(case),
-                                                                     _case_inputs, [case], device=ctx.device),
+        # the first case also runs again on its tensors refilled in place: a cached result fails there
+        done, result = isolated(ctx, lambda case=case, i=i: compare_sweep(_case_kernel(fn, case), _case_ref(case),
+                                                                          _case_inputs, [case], device=ctx.device,
+                                                                          recheck=i == 0),
                                 **where)
         if not done:
             worst = float("inf")
