@@ -271,7 +271,7 @@ def null_slot(ctx: ProbeContext) -> None:
 def _decode_bench(ctx: ProbeContext) -> None:
     import time
 
-    from feedback.microbench import time_fn
+    from feedback.microbench import roofline_check, time_fn
 
     if not torch.cuda.is_available():
         ctx.skip("timings need a GPU (the interpreter's times mean nothing)")
@@ -282,10 +282,23 @@ def _decode_bench(ctx: ProbeContext) -> None:
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
     step = lambda: fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)  # noqa: E731
     seconds = time_fn(step)
+    # the timed kernel, re-checked after timing: one more step against float64 from the state it starts
+    # from (work skipped once warm, or a result kept from an earlier call, fails here)
+    before = pool[1:].clone()
+    o, _ = step()
+    ro, rs = _ref(*x, before)
+    errs = rel_err(o, ro), rel_err(pool[1:], rs)
+    where = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=f"batch {B}, after timing")
+    ctx.metric("rel_err_after_timing", finite(errs[1]), better="lower")
+    ctx.check(errs[1] < 1e-3 and errs[0] < 3e-2,
+              f"the step after timing is wrong: state rel. error {errs[1]:.1e}, output {errs[0]:.1e}", **where)
     src = torch.empty(2**28, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() / time_fn(lambda: dst.copy_(src))
     state_bw = 2 * pool[1:].numel() * 4 / seconds
+    roof = roofline_check(seconds, bytes_moved=2 * pool[1:].numel() * 4, peak_bytes_per_s=copy_bw)
+    ctx.check(not roof.suspicious, f"{roof.reason} (state traffic at the copy bandwidth measured in this run)",
+              **where)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):

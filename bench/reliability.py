@@ -1,0 +1,155 @@
+"""How well the harness holds against candidates and models written to fool it: one table, one JSON.
+
+    python bench/reliability.py [--hostile-examples 60] [--out bench/out]
+
+Runs every corpus the tests keep, through the real components, and counts what each case ended as:
+
+* reaching the judges (tests/infra_agent/test_tamper.py): patches of the bundled target that import
+  references or the harness, patch timers, introspect, write the probes' environment, add
+  conftest.py / sitecustomize.py / .pth files: each must be *refused* by the gate;
+* the gate corpus (tests/infra_agent/test_gate_corpus.py): real diffs of the bundled target with the
+  decision each must get (held for synchronisation, exposure and numerics changes, clean otherwise);
+* cheating kernels (tests/feedback/test_adversarial.py): decode kernels that cache, skip work, alias
+  an input, lower precision or do less: each must be judged *incorrect* by the harness;
+* hostile model output (tests/infra_agent/test_hostile_model.py): the hypothesis test with more
+  examples than CI runs; it counts as crashed if the loop raised or wrote outside its worktrees;
+* kill -9 of the harness (tests/feedback/test_lifeline.py): no probe process may survive.
+
+"caught" means the expected outcome; "missed" a case that ended otherwise; "crashed" a case whose
+check itself raised.  The tests stay in CI; this runs them wider and writes the figures down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _tamper() -> dict:
+    from feedback.manifest import load_manifest
+    from infra_agent.gate import assess_text
+    from tests.infra_agent.test_tamper import HOSTILE, _diff
+
+    rows = {"caught": 0, "missed": [], "crashed": []}
+    for name, (edits, reason) in HOSTILE.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                diff, root = _diff(pathlib.Path(tmp), edits)
+                res = assess_text(diff, load_manifest(root), tree=root)
+            except Exception as exc:  # noqa: BLE001 - a case whose check raised is counted, not fatal
+                rows["crashed"].append(f"{name}: {exc}")
+                continue
+            if res.decision == "refused" and reason in (res.refused or ""):
+                rows["caught"] += 1
+            else:
+                rows["missed"].append(f"{name}: {res.decision}")
+    return dict(cases=len(HOSTILE), **rows)
+
+
+def _gate() -> dict:
+    from feedback.manifest import load_manifest
+    from infra_agent.gate import assess_text
+    from tests.infra_agent.test_gate_corpus import CORPUS, _diff
+
+    rows = {"caught": 0, "missed": [], "crashed": []}
+    for name, (rel, old, new, decision, category) in CORPUS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                diff, root = _diff(pathlib.Path(tmp), rel, old, new)
+                res = assess_text(diff, load_manifest(root), tree=root)
+            except Exception as exc:  # noqa: BLE001
+                rows["crashed"].append(f"{name}: {exc}")
+                continue
+            ok = res.decision == decision and (category is None or category in res.categories)
+            if ok:
+                rows["caught"] += 1
+            else:
+                rows["missed"].append(f"{name}: {res.decision} {res.categories}")
+    return dict(cases=len(CORPUS), **rows)
+
+
+def _cheats() -> dict:
+    from feedback.harness import judge
+    from feedback.targets import materialize_bundled
+    from tests.feedback.test_adversarial import CHEATS, RECURRENT
+
+    rows = {"caught": 0, "missed": [], "crashed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        base = materialize_bundled(tmp / "base")
+        for i, (name, edits) in enumerate(CHEATS.items()):
+            try:
+                cand = materialize_bundled(tmp / f"cand{i}")
+                text = (cand / RECURRENT).read_text()
+                for old, new in edits:
+                    text = text.replace(old, new, 1)
+                (cand / RECURRENT).write_text(text)
+                rep = judge(cand, baseline_tree=base, probe_ids=["kda.recurrent.correctness", "kda.decode.work"],
+                            run_all=True, cache_dir=tmp / "cache", same_judges=True)
+            except Exception as exc:  # noqa: BLE001
+                rows["crashed"].append(f"{name}: {exc}")
+                continue
+            if rep.verdict and rep.verdict.name == "incorrect":
+                rows["caught"] += 1
+            else:
+                rows["missed"].append(f"{name}: {rep.verdict.name if rep.verdict else 'no verdict'}")
+    return dict(cases=len(CHEATS), **rows)
+
+
+def _pytest(node: str, env: dict | None = None) -> tuple[bool, str]:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", node],
+                          cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
+
+
+def _hostile(examples: int) -> dict:
+    ok, tail = _pytest("tests/infra_agent/test_hostile_model.py", {"INFRA_AGENT_HOSTILE_EXAMPLES": str(examples)})
+    return dict(cases=examples, caught=examples if ok else 0, missed=[], crashed=[] if ok else tail)
+
+
+def _lifeline() -> dict:
+    ok, tail = _pytest("tests/feedback/test_lifeline.py")
+    return dict(cases=4, caught=4 if ok else 0, missed=[] if ok else tail, crashed=[])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hostile-examples", type=int, default=60, help="hypothesis examples of hostile model output")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for reliability.json")
+    args = ap.parse_args()
+    areas = [("reaching the judges (refused)", _tamper), ("gate corpus (expected decision)", _gate),
+             ("cheating kernels (incorrect)", _cheats),
+             ("hostile model output (no crash, no write)", lambda: _hostile(args.hostile_examples)),
+             ("kill -9 of the harness (processes reaped)", _lifeline)]
+    rows = []
+    for name, fn in areas:
+        t0 = time.perf_counter()
+        print(f"  {name} ...", flush=True)
+        row = dict(area=name, **fn(), seconds=round(time.perf_counter() - t0, 1))
+        rows.append(row)
+    print(f"\n{'area':<44} {'cases':>5} {'caught':>6} {'missed':>6} {'crashed':>7} {'time':>7}")
+    for r in rows:
+        print(f"{r['area']:<44} {r['cases']:>5} {r['caught']:>6} {len(r['missed']):>6} {len(r['crashed']):>7} "
+              f"{r['seconds']:>6.0f}s")
+        for line in r["missed"] + r["crashed"]:
+            print(f"    ! {line}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reliability.json").write_text(json.dumps(dict(
+        date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), rows=rows), indent=1))
+    print(f"\nwritten: {out / 'reliability.json'}")
+    return 0 if all(not r["missed"] and not r["crashed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
