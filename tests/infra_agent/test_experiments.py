@@ -127,3 +127,20 @@ def test_a_process_killed_while_writing_records_leaves_only_complete_ones(tmp_pa
     for path in records:
         rec = load_record(path)  # complete and valid, never half written
         assert len(rec.hypothesis) > 300_000
+
+
+def test_a_replayed_slowdown_counts_only_when_a_second_side_by_side_run_confirms_it():
+    from feedback.models import MetricDelta, ProbeComparison
+    from infra_agent.experiments import _confirm
+
+    def comp(verdict: str) -> ProbeComparison:
+        return ProbeComparison(probe="p.e2e", kind="e2e", baseline="pass", candidate="pass",
+                               deltas=[MetricDelta(name="ttft_ms", baseline=10.0, candidate=13.0, verdict=verdict)])
+
+    asked = []
+    judged, notes = _confirm([comp("regressed")], lambda ids: asked.append(ids) or [comp("unchanged")])
+    assert asked == [["p.e2e"]] and judged[0].deltas[0].verdict == "unchanged" and "not counted" in notes[0]
+    judged, notes = _confirm([comp("regressed")], lambda ids: [comp("regressed")])
+    assert judged[0].deltas[0].verdict == "regressed" and "counted" in notes[0]
+    untouched, notes = _confirm([comp("improved")], lambda ids: pytest.fail("no second run without a slowdown"))
+    assert notes == [] and untouched[0].deltas[0].verdict == "improved"

@@ -62,7 +62,8 @@ print(json.dumps(dict(reads_x=wc.reads("x"), reads_w=wc.reads("w"), ops=dict(wc.
 def count(tmp_path: pathlib.Path, kernel_file: pathlib.Path) -> dict:
     script = tmp_path / "count.py"
     script.write_text(COUNT)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]  # a shadowing triton stays
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(paths))
     seed = int.from_bytes(os.urandom(4), "little")
     proc = subprocess.run([sys.executable, str(script), str(kernel_file), str(seed)], env=env, capture_output=True,
                           text=True, timeout=120)
