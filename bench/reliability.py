@@ -35,75 +35,73 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _tally(cases: dict, run) -> dict:
+    """``run(name, case, tmp)`` -> (expected outcome, what happened) for every case, each in a scratch
+    folder of its own; a case whose check raised is counted as crashed, never fatal."""
+    rows = {"caught": 0, "missed": [], "crashed": []}
+    for name, case in cases.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                ok, what = run(name, case, pathlib.Path(tmp))
+            except Exception as exc:  # noqa: BLE001
+                rows["crashed"].append(f"{name}: {exc}")
+                continue
+        if ok:
+            rows["caught"] += 1
+        else:
+            rows["missed"].append(f"{name}: {what}")
+    return dict(cases=len(cases), **rows)
+
+
 def _tamper() -> dict:
     from feedback.manifest import load_manifest
     from infra_agent.gate import assess_text
-    from tests.infra_agent.test_tamper import HOSTILE, _diff
+    from tests.infra_agent.test_tamper import HOSTILE
+    from tests.support.bundled import bundled_diff
 
-    rows = {"caught": 0, "missed": [], "crashed": []}
-    for name, (edits, reason) in HOSTILE.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                diff, root = _diff(pathlib.Path(tmp), edits)
-                res = assess_text(diff, load_manifest(root), tree=root)
-            except Exception as exc:  # noqa: BLE001 - a case whose check raised is counted, not fatal
-                rows["crashed"].append(f"{name}: {exc}")
-                continue
-            if res.decision == "refused" and reason in (res.refused or ""):
-                rows["caught"] += 1
-            else:
-                rows["missed"].append(f"{name}: {res.decision}")
-    return dict(cases=len(HOSTILE), **rows)
+    def run(name, case, tmp):
+        edits, reason = case
+        diff, root = bundled_diff(tmp, edits)
+        res = assess_text(diff, load_manifest(root), tree=root)
+        return res.decision == "refused" and reason in (res.refused or ""), res.decision
+
+    return _tally(HOSTILE, run)
 
 
 def _gate() -> dict:
     from feedback.manifest import load_manifest
     from infra_agent.gate import assess_text
-    from tests.infra_agent.test_gate_corpus import CORPUS, _diff
+    from tests.infra_agent.test_gate_corpus import CORPUS
+    from tests.support.bundled import bundled_diff, replacing
 
-    rows = {"caught": 0, "missed": [], "crashed": []}
-    for name, (rel, old, new, decision, category) in CORPUS.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                diff, root = _diff(pathlib.Path(tmp), rel, old, new)
-                res = assess_text(diff, load_manifest(root), tree=root)
-            except Exception as exc:  # noqa: BLE001
-                rows["crashed"].append(f"{name}: {exc}")
-                continue
-            ok = res.decision == decision and (category is None or category in res.categories)
-            if ok:
-                rows["caught"] += 1
-            else:
-                rows["missed"].append(f"{name}: {res.decision} {res.categories}")
-    return dict(cases=len(CORPUS), **rows)
+    def run(name, case, tmp):
+        rel, old, new, decision, category = case
+        diff, root = bundled_diff(tmp, {rel: replacing(old, new)})
+        res = assess_text(diff, load_manifest(root), tree=root)
+        ok = res.decision == decision and (category is None or category in res.categories)
+        return ok, f"{res.decision} {res.categories}"
+
+    return _tally(CORPUS, run)
 
 
 def _cheats() -> dict:
     from feedback.harness import judge
     from feedback.targets import materialize_bundled
-    from tests.feedback.test_adversarial import CHEATS, RECURRENT
+    from tests.feedback.test_adversarial import CHEATS, apply_cheat
 
-    rows = {"caught": 0, "missed": [], "crashed": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        base = materialize_bundled(tmp / "base")
-        for i, (name, edits) in enumerate(CHEATS.items()):
-            try:
-                cand = materialize_bundled(tmp / f"cand{i}")
-                text = (cand / RECURRENT).read_text()
-                for old, new in edits:
-                    text = text.replace(old, new, 1)
-                (cand / RECURRENT).write_text(text)
-                rep = judge(cand, baseline_tree=base, probe_ids=["kda.recurrent.correctness", "kda.decode.work"],
-                            run_all=True, cache_dir=tmp / "cache", same_judges=True)
-            except Exception as exc:  # noqa: BLE001
-                rows["crashed"].append(f"{name}: {exc}")
-                continue
-            if rep.verdict and rep.verdict.name == "incorrect":
-                rows["caught"] += 1
-            else:
-                rows["missed"].append(f"{name}: {rep.verdict.name if rep.verdict else 'no verdict'}")
-    return dict(cases=len(CHEATS), **rows)
+    with tempfile.TemporaryDirectory() as shared:
+        shared = pathlib.Path(shared)
+        base = materialize_bundled(shared / "base")  # one base, its results cached for every cheat
+
+        def run(name, case, tmp):
+            cand = materialize_bundled(tmp / "cand")
+            apply_cheat(cand, name)
+            rep = judge(cand, baseline_tree=base, probe_ids=["kda.recurrent.correctness", "kda.decode.work"],
+                        run_all=True, cache_dir=shared / "cache", same_judges=True)
+            name_ = rep.verdict.name if rep.verdict else "no verdict"
+            return name_ == "incorrect", name_
+
+        return _tally(CHEATS, run)
 
 
 def _pytest(node: str, env: dict | None = None) -> tuple[bool, str]:

@@ -130,16 +130,6 @@ class Assessment(BaseModel):
         return sorted({f.category for f in self.findings} | ({"error"} if self.error else set()))
 
 
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-    return ".".join(reversed(parts))
-
-
 def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
     """Calls and keyword arguments that mark a category, on the given (added) line numbers."""
     out = []
@@ -151,7 +141,7 @@ def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
         span = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
         if not span & lines:
             continue
-        name = _dotted(node.func)
+        name = tamper.dotted(node.func)
         for prefix, cat in AST_CALLS.items():
             if name == prefix or name.startswith(prefix + "."):
                 out.append(RiskFinding(rule=f"ast.call:{prefix}", category=cat, file=path, line=node.lineno,

@@ -58,7 +58,8 @@ def refusal(diff: str, paths: list[str], old_paths: list[str], sources: dict[str
     return None
 
 
-def _dotted(node: ast.AST) -> str:
+def dotted(node: ast.AST) -> str:
+    """``a.b.c`` for an attribute chain on a name (what a call or an assignment target names); else ''."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -107,23 +108,23 @@ def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str |
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else \
             node.targets if isinstance(node, ast.Delete) else []
         for t in targets:
-            root = _dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")[0]
+            root = dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")[0]
             value = getattr(node, "value", None)
             callable_value = isinstance(value, (ast.Lambda, ast.Name, ast.Attribute, ast.Call)) or value is None
             if isinstance(t, ast.Attribute) and root in modules and callable_value:  # a flag set to a constant
-                return at(node, f"rebinds {_dotted(t)}, an attribute of an imported module (monkeypatching)")
-            if isinstance(t, ast.Subscript) and _dotted(t.value) in ("sys.modules", "os.environ"):
+                return at(node, f"rebinds {dotted(t)}, an attribute of an imported module (monkeypatching)")
+            if isinstance(t, ast.Subscript) and dotted(t.value) in ("sys.modules", "os.environ"):
                 key = t.slice.value if isinstance(t.slice, ast.Constant) else None
-                if _dotted(t.value) == "sys.modules" or not isinstance(key, str) or key.startswith(HARNESS_ENV):
-                    return at(node, f"writes {_dotted(t.value)}[{key!r}]")
-            if root == "builtins" or _dotted(t) == "__builtins__":
+                if dotted(t.value) == "sys.modules" or not isinstance(key, str) or key.startswith(HARNESS_ENV):
+                    return at(node, f"writes {dotted(t.value)}[{key!r}]")
+            if root == "builtins" or dotted(t) == "__builtins__":
                 return at(node, "rebinds a builtin")
         if isinstance(node, ast.Call):
-            name = _dotted(node.func)
+            name = dotted(node.func)
             if name in INTROSPECTION:
                 return at(node, f"calls {name} (introspection that reaches the harness's objects or frames)")
-            if name == "setattr" and node.args and _dotted(node.args[0]).split(".")[0] in modules:
-                return at(node, f"setattr on {_dotted(node.args[0])}, an imported module (monkeypatching)")
+            if name == "setattr" and node.args and dotted(node.args[0]).split(".")[0] in modules:
+                return at(node, f"setattr on {dotted(node.args[0])}, an imported module (monkeypatching)")
             if name in ("os.putenv", "os.unsetenv", "os.environ.update", "os.environ.setdefault", "os.environ.pop"):
                 key = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
                 if not isinstance(key, str) or key.startswith(HARNESS_ENV):

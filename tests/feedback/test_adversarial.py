@@ -41,6 +41,16 @@ CHEATS = {
 }
 
 
+def apply_cheat(tree: pathlib.Path, name: str) -> None:
+    """Write cheat ``name`` into the decode kernel of the bundled target materialised at ``tree``."""
+    path = tree / RECURRENT
+    text = path.read_text()
+    for old, new in CHEATS[name]:
+        assert old in text, (name, old)
+        text = text.replace(old, new, 1)
+    path.write_text(text)
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> pathlib.Path:
     return materialize_bundled(tmp_path_factory.mktemp("base"))
@@ -49,12 +59,7 @@ def base(tmp_path_factory) -> pathlib.Path:
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_a_cheating_decode_kernel_is_incorrect(tmp_path, base, name):
     cand = materialize_bundled(tmp_path / "cand")
-    path = cand / RECURRENT
-    text = path.read_text()
-    for old, new in CHEATS[name]:
-        assert old in text, (name, old)
-        text = text.replace(old, new, 1)
-    path.write_text(text)
+    apply_cheat(cand, name)
     report = judge(cand, baseline_tree=base, probe_ids=["kda.recurrent.correctness", "kda.decode.work"],
                    run_all=True, jobs=2, cache_dir=base.parent / "cache", same_judges=True)
     assert report.verdict.name == "incorrect", (name, report.verdict)

@@ -4,12 +4,11 @@ and CRLF diffs; harmless edits are clean.  Each diff is made by git from an edit
 
 from __future__ import annotations
 
-import git
 import pytest
 
 from feedback.manifest import load_manifest
-from feedback.targets import materialize_bundled
 from infra_agent.gate import assess_text
+from tests.support.bundled import bundled_diff, replacing
 
 CACHE = "target_stack/engine/cache.py"
 TRANSFER = "target_stack/engine/disagg/transfer.py"
@@ -43,24 +42,10 @@ CORPUS = {
 }
 
 
-def _diff(tmp_path, rel: str, old: str, new: str) -> tuple[str, object]:
-    root = materialize_bundled(tmp_path / "t")
-    repo = git.Repo.init(root)
-    repo.git.add(A=True)
-    repo.index.commit("base", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
-    path = root / rel
-    text = path.read_text()
-    assert old in text, (rel, old)
-    path.write_text(text.replace(old, new, 1))
-    diff = repo.git.diff() + "\n"
-    repo.git.checkout("--", rel)
-    return diff, root
-
-
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_the_gate_decides_each_real_diff_as_expected(tmp_path, name):
     rel, old, new, decision, category = CORPUS[name]
-    diff, root = _diff(tmp_path, rel, old, new)
+    diff, root = bundled_diff(tmp_path, {rel: replacing(old, new)})
     result = assess_text(diff, load_manifest(root), tree=root)
     assert result.decision == decision, (name, [f.render() for f in result.findings], result.error)
     if category:
@@ -68,8 +53,8 @@ def test_the_gate_decides_each_real_diff_as_expected(tmp_path, name):
 
 
 def test_crlf_and_malformed_diffs_are_never_clean(tmp_path):
-    diff, root = _diff(tmp_path, "target_stack/scenarios/README.md", "# target_stack scenarios",
-                       "# The scenarios of target_stack")
+    diff, root = bundled_diff(tmp_path, {"target_stack/scenarios/README.md": replacing(
+        "# target_stack scenarios", "# The scenarios of target_stack")})
     manifest = load_manifest(root)
     assert assess_text(diff, manifest, tree=root).decision == "clean"  # the same change, LF: clean
     crlf = diff.replace("\n", "\r\n")

@@ -3,12 +3,12 @@ reason, on the real bundled target; ordinary edits of the same files are not."""
 
 from __future__ import annotations
 
-import git
 import pytest
 
 from feedback.manifest import load_manifest
 from feedback.targets import materialize_bundled
 from infra_agent.gate import assess_text
+from tests.support.bundled import bundled_diff
 
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 ANCHOR = "_launch = CachedLaunch(_kda_fused_recurrent_kernel)\n"
@@ -42,24 +42,10 @@ HOSTILE = {
 }
 
 
-def _diff(tmp_path, edits) -> tuple[str, object]:
-    root = materialize_bundled(tmp_path / "t")
-    repo = git.Repo.init(root)
-    repo.git.add(A=True)
-    repo.index.commit("base", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
-    for rel, edit in edits.items():
-        path = root / rel
-        path.write_text(edit(path.read_text() if path.exists() else ""))
-    repo.git.add(A=True)
-    diff = repo.git.diff("--cached") + "\n"
-    repo.git.reset("--hard")  # the gate judges the diff against the tree before it
-    return diff, root
-
-
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_patch_that_reaches_the_judges_is_refused_with_its_reason(tmp_path, case):
     edits, reason = HOSTILE[case]
-    diff, root = _diff(tmp_path, edits)
+    diff, root = bundled_diff(tmp_path, edits)
     result = assess_text(diff, load_manifest(root), tree=root)
     assert result.decision == "refused", (case, result)
     assert "reaches what judges it" in result.refused and reason in result.refused, result.refused
@@ -86,6 +72,6 @@ def test_renames_mode_changes_and_symlinks_are_refused(tmp_path):
     "_state = {}\n_state['calls'] = 0\n",
 ])
 def test_ordinary_edits_of_the_same_file_are_not_refused(tmp_path, text):
-    diff, root = _diff(tmp_path, add_after_anchor(text))
+    diff, root = bundled_diff(tmp_path, add_after_anchor(text))
     result = assess_text(diff, load_manifest(root), tree=root)
     assert result.decision in ("clean", "held"), result
