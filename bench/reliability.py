@@ -13,7 +13,13 @@ Runs every corpus the tests keep, through the real components, and counts what e
   an input, lower precision or do less: each must be judged *incorrect* by the harness;
 * hostile model output (tests/infra_agent/test_hostile_model.py): the hypothesis test with more
   examples than CI runs; it counts as crashed if the loop raised or wrote outside its worktrees;
-* kill -9 of the harness (tests/feedback/test_lifeline.py): no probe process may survive.
+* timing cheats (tests/feedback/test_timing.py): ops that cache on a shape, skip work once warm, finish
+  on a thread the timer does not wait for, replace the clock, slow the harness's own clock, or return
+  a lazy tensor: each must *fail* its microbenchmark with the reason that names it;
+* kill -9 of the harness (tests/feedback/test_lifeline.py): no probe process may survive;
+* kill -9 mid-work (tests/infra_agent/test_resume.py, test_review.py): a session killed mid-probe
+  resumes from its trajectory, an approval killed mid-validation leaves the item pending and the
+  branch unmoved.
 
 "caught" means the expected outcome; "missed" a case that ended otherwise; "crashed" a case whose
 check itself raised.  The tests stay in CI; this runs them wider and writes the figures down.
@@ -104,6 +110,31 @@ def _cheats() -> dict:
         return _tally(CHEATS, run)
 
 
+def _timing() -> dict:
+    from tests.feedback.test_timing import CHEATS, _run, _target
+
+    def run(name, case, tmp):
+        op, expected = case
+        r = _run(_target(tmp / "t", op))
+        messages = " | ".join(f.message for f in r.findings)
+        return r.status.value == "fail" and expected in messages, f"{r.status.value}: {messages[:160]}"
+
+    return _tally(CHEATS, run)
+
+
+def _crashes() -> dict:
+    nodes = ["tests/infra_agent/test_resume.py::test_a_session_killed_mid_probe_resumes_from_its_trajectory",
+             "tests/infra_agent/test_review.py::"
+             "test_an_approval_killed_mid_validation_leaves_the_item_pending_and_the_branch_unmoved",
+             "tests/infra_agent/test_review.py::test_a_process_killed_while_writing_the_queue_corrupts_and_loses_nothing"]
+    missed = []
+    for node in nodes:
+        ok, tail = _pytest(node)
+        if not ok:
+            missed.append(f"{node.rsplit('::', 1)[1]}: {tail}")
+    return dict(cases=len(nodes), caught=len(nodes) - len(missed), missed=missed, crashed=[])
+
+
 def _pytest(node: str, env: dict | None = None) -> tuple[bool, str]:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", node],
                           cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
@@ -128,7 +159,9 @@ def main() -> int:
     areas = [("reaching the judges (refused)", _tamper), ("gate corpus (expected decision)", _gate),
              ("cheating kernels (incorrect)", _cheats),
              ("hostile model output (no crash, no write)", lambda: _hostile(args.hostile_examples)),
-             ("kill -9 of the harness (processes reaped)", _lifeline)]
+             ("timing cheats (failed, reason named)", _timing),
+             ("kill -9 of the harness (processes reaped)", _lifeline),
+             ("kill -9 mid-session, mid-approval, mid-write", _crashes)]
     rows = []
     for name, fn in areas:
         t0 = time.perf_counter()

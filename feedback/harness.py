@@ -45,6 +45,7 @@ def judge(
     on_start: Callable[[list[ProbeSpec]], None] | None = None,
     on_result: Callable[[str, ProbeResult], None] | None = None,
     same_judges: bool = False,
+    baseline_manifest: Manifest | None = None,
 ) -> FeedbackReport:
     """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
 
@@ -55,7 +56,8 @@ def judge(
     The judges (the manifest, the protected files, the probes' modules) are hashed before and after
     the run: a candidate whose code changed them while its probes ran is judged ``incorrect``, and
     with ``same_judges`` (a candidate patch, which may not touch them) so is one whose judges differ
-    from the baseline's.
+    from the baseline's.  ``baseline_manifest``: the baseline's judges when they are not the baseline
+    tree's own (a manifest kept outside the target, ``--manifest``).
     """
     t0 = time.perf_counter()
     tree = pathlib.Path(tree).resolve()
@@ -71,7 +73,7 @@ def judge(
     runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env)
     base_runner = None
     if baseline_tree is not None:
-        base_manifest = _baseline_manifest(pathlib.Path(baseline_tree), manifest)
+        base_manifest = baseline_manifest or _baseline_manifest(pathlib.Path(baseline_tree), manifest)
         base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
                              extra_env=extra_env)
     judges_before = content_hashes(tree, manifest, specs)

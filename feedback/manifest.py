@@ -57,6 +57,9 @@ class ProbeSpec(BaseModel):
     kind: Literal["static", "correctness", "microbench", "trace", "events", "e2e"]
     entry: str | None = Field(None, description="module:function imported from the tree under test")
     command: str | None = Field(None, description="shell command run in the tree; prints one JSON result")
+    pytest: list[str] | None = Field(None, description="pytest node ids (or files) of the tree's own tests; a "
+                                     "failure is localised to the innermost frame of its traceback in the tree")
+    check: str | None = Field(None, description="a built-in static check (feedback/checks.py) over params.paths")
     description: str = ""
     covers: Covers = Field(default_factory=Covers)
     params: dict[str, Any] = Field(default_factory=dict, description="launch parameters and input conditions")
@@ -70,11 +73,20 @@ class ProbeSpec(BaseModel):
                                 "microbench and e2e, whose verdicts need an interval and a noise floor; 1 otherwise)")
 
     @model_validator(mode="after")
-    def _entry_or_command(self) -> ProbeSpec:
-        if (self.entry is None) == (self.command is None):
-            raise ValueError("a probe needs exactly one of entry (module:function) or command")
+    def _one_way_to_run(self) -> ProbeSpec:
+        ways = [w for w in ("entry", "command", "pytest", "check") if getattr(self, w) is not None]
+        if len(ways) != 1:
+            raise ValueError("a probe needs exactly one of entry (module:function), command, pytest (node ids) or "
+                             f"check (a built-in static check), got {', '.join(ways) or 'none'}")
         if self.entry is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.entry):
             raise ValueError(f"entry must look like module.path:function, got {self.entry!r}")
+        if self.pytest is not None and not self.pytest:
+            raise ValueError("pytest needs at least one node id, e.g. tests/test_ops.py::test_merge")
+        if self.check is not None:
+            from feedback.checks import CHECKS
+
+            if self.check not in CHECKS:
+                raise ValueError(f"unknown check {self.check!r}; built in: {', '.join(sorted(CHECKS))}")
         return self
 
 
@@ -242,3 +254,30 @@ def load_manifest(root: str | pathlib.Path) -> Manifest:
 
 def schema() -> dict:
     return Manifest.model_json_schema()
+
+
+def dangling(manifest: Manifest, root: str | pathlib.Path) -> list[str]:
+    """What the manifest names that the tree at ``root`` does not have (a valid manifest can still point
+    at nothing): covers globs that match no file, pytest files, entry modules and check paths that are
+    not there.  One line each, naming the probe."""
+    import glob
+
+    root = pathlib.Path(root)
+    out = []
+    for p in manifest.probes:
+        for pattern in p.covers.files:
+            if not glob.glob(str(root / pattern), recursive=True):
+                out.append(f"{p.id}: covers.files {pattern!r} matches no file")
+        for node in p.pytest or []:
+            if not (root / node.split("::")[0]).exists():
+                out.append(f"{p.id}: pytest {node!r}: no such file")
+        if p.entry:
+            mod = p.entry.split(":")[0].replace(".", "/")
+            if not any((root / r / f"{mod}.py").is_file() or (root / r / mod / "__init__.py").is_file()
+                       for r in manifest.python_path):
+                out.append(f"{p.id}: entry module {p.entry.split(':')[0]!r} is not in the tree "
+                           f"(python_path {manifest.python_path})")
+        for path in p.params.get("paths", []) if p.check else []:
+            if not (root / path).exists():
+                out.append(f"{p.id}: check path {path!r} does not exist")
+    return out

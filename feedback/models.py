@@ -141,6 +141,9 @@ class ProbeResult(_Model):
     stdout: str = ""
     stderr: str = ""
     cached: bool = False
+    # Seconds of each timed loop (feedback/timing.py) by the probe's clock; the runner holds them
+    # against the harness process's own clock (the witness) and fails a probe where they disagree.
+    spans: dict[str, float] = Field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

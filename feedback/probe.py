@@ -37,6 +37,7 @@ class ProbeContext:
         self.metrics: dict[str, Metric] = {}
         self.findings: list[Finding] = []
         self.failed = False
+        self.spans: dict[str, float] = {}
         self._device: str | None = None
 
     @property
@@ -77,6 +78,30 @@ class ProbeContext:
 
     def skip(self, reason: str) -> None:
         raise Skip(reason)
+
+    def timed(self, name: str, *, make: Callable[[int], Any], call: Callable[..., Any],
+              check: Callable[[Any, Any, Any], float] | None = None, tol: float = 1e-3, reps: int = 20,
+              bytes_moved: float = 0.0, flops: float = 0.0, peak_flops: float = 0.0,
+              **location: str | None):
+        """Time ``call(*make(i))`` with the harness's defences (``feedback/timing.py``) and report it.
+
+        Metrics: ``NAME_us`` (median per call), ``NAME_wall_us`` (with a device-wide synchronize) and
+        ``NAME_rel_err_after_timing`` (with ``check``); the returned :class:`~feedback.timing.Timing`
+        has the rest (the copy bandwidth measured beside it, with ``bytes_moved``).  Anything the
+        defences caught fails the probe at ``location``.
+        """
+        from feedback.timing import measure
+
+        t = measure(make, call, check, device=self.device, tag=name, reps=reps, tol=tol, bytes_moved=bytes_moved,
+                    flops=flops, peak_flops=peak_flops)
+        self.spans[name] = t.loop_s
+        self.metric(f"{name}_us", t.median_s * 1e6, unit="us", better="lower")
+        self.metric(f"{name}_wall_us", t.wall_median_s * 1e6, unit="us", better="lower")
+        if check is not None:
+            self.metric(f"{name}_rel_err_after_timing", t.max_rel_err, better="lower")
+        for problem in t.problems:
+            self.fail(problem, **location)
+        return t
 
 
 def probe(fn: Callable | None = None, *, kind: str | None = None):

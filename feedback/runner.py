@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,9 +35,11 @@ from feedback.lifeline import HARNESS_PID
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
 from feedback.state import StateDir
+from feedback.timing import WITNESS_FD
 from feedback.verdict import combine_runs, repeats_for
 
 TAIL = 4000  # characters of stdout/stderr kept in a result
+ARMED_KINDS = ("microbench", "e2e")  # their clocks are kept before the tree loads (feedback/timing.py)
 _SECRET_VAR = re.compile(r"(API_KEY|_TOKEN|_SECRET|PASSWORD|_CREDENTIALS)$", re.IGNORECASE)
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -98,6 +101,10 @@ class Runner:
                 p = pathlib.Path(hit)
                 if p.is_file():
                     files.add(p)
+        for node in spec.pytest or []:  # a pytest probe's own test files judge it: their content is in the key
+            test = self.tree / node.split("::")[0]
+            if test.is_file():
+                files.add(test)
         if spec.entry:
             module = spec.entry.split(":")[0].replace(".", "/")
             for root in self.manifest.python_path:
@@ -195,7 +202,8 @@ class Runner:
         else:
             runs, reported = [], True
             for _ in range(repeats_for(spec.kind, spec.repeats)):
-                run, ok = self._run_python(spec) if spec.entry else self._run_command(spec)
+                run, ok = (self._run_python(spec) if spec.entry else self._run_check(spec) if spec.check
+                           else self._run_pytest(spec) if spec.pytest else self._run_command(spec))
                 runs.append(run)
                 reported &= ok
                 if run.status not in (Status.passed, Status.failed):
@@ -206,25 +214,41 @@ class Runner:
             self._cache_put(key, result)
         return result
 
-    def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool) -> tuple[int | None, str, str, float, bool]:
-        """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)"""
+    def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool,
+               stamps: list[tuple[float, str]] | None = None) -> tuple[int | None, str, str, float, bool]:
+        """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)
+
+        With ``stamps``, the probe gets the write end of a pipe (``INFRA_AGENT_WITNESS_FD``) and every
+        line it writes there is appended with this process's clock at its arrival."""
         limit = spec.memory_mb
 
         def preexec() -> None:
             if limit:
                 resource.setrlimit(resource.RLIMIT_AS, (limit * 2**20, limit * 2**20))
 
+        env, fds, reader = self.env(spec), (), None
+        if stamps is not None:
+            rfd, wfd = os.pipe()
+            env[WITNESS_FD], fds = str(wfd), (wfd,)
+            reader = threading.Thread(target=_read_witness, args=(rfd, stamps), daemon=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.Popen(argv, cwd=self.tree, env=self.env(spec), shell=shell, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, cwd=self.tree, env=env, shell=shell, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=preexec if limit else None)
+                                    preexec_fn=preexec if limit else None, pass_fds=fds)
         except OSError as exc:  # no interpreter, no shell, no such directory: the machine failed, not the probe
+            for fd in fds + ((rfd,) if fds else ()):
+                os.close(fd)
             raise EnvironmentFailure(f"cannot start the probe process: {exc}") from exc
+        if reader is not None:
+            os.close(wfd)
+            reader.start()
         self._live.add(proc)
         try:
             out, err = proc.communicate(timeout=spec.budget_s)
             self._live.discard(proc)
+            if reader is not None:
+                reader.join(timeout=5)
             return proc.returncode, _tail(out), _tail(err), time.perf_counter() - t0, False
         except subprocess.TimeoutExpired:
             self._kill_group(proc)
@@ -258,16 +282,19 @@ class Runner:
         """One run of a Python probe: (result, whether the probe itself reported it)."""
         with tempfile.TemporaryDirectory(prefix="infra-agent-probe-") as tmp:
             req, out = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
+            armed = spec.kind in ARMED_KINDS
             req.write_text(json.dumps({"probe": spec.id, "entry": spec.entry, "params": spec.params,
-                                       "tree": str(self.tree)}))
+                                       "tree": str(self.tree), "arm": armed}))
+            stamps: list[tuple[float, str]] = []
             rc, stdout, stderr, secs, timed_out = self._spawn(
-                spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False)
+                spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False, stamps=stamps)
             if timed_out:
                 return ProbeResult(probe=spec.id, status=Status.timeout, duration_s=secs, stdout=stdout, stderr=stderr,
                                    reason=f"no result within budget_s={spec.budget_s:g}; process group killed"), False
             if out.is_file():
                 try:
                     res = ProbeResult.model_validate_json(out.read_text())
+                    res = witnessed(res, stamps)
                     return res.model_copy(update={"stdout": stdout, "stderr": stderr, "duration_s": secs}), True
                 except Exception as exc:  # noqa: BLE001
                     reason = f"unreadable result: {exc}".splitlines()[0]
@@ -281,6 +308,59 @@ class Runner:
                     reason += f" (at {site})"
             return ProbeResult(probe=spec.id, status=Status.error, duration_s=secs, stdout=stdout, stderr=stderr,
                                reason=reason), False
+
+    def _run_check(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """A built-in static check (feedback/checks.py), in this process: it only reads the tree's source."""
+        from feedback.checks import run_check
+        from feedback.models import Finding, Location
+
+        t0 = time.perf_counter()
+        try:
+            options = {"every": True} if spec.check == "dot_precision" and spec.params.get("every") else {}
+            metric, count, sites = run_check(spec.check, self.tree, spec.params.get("paths"), **options)
+        except ValueError as exc:
+            return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
+        findings = [Finding(message=s.message, location=Location(file=s.file, symbol=s.symbol,
+                                                                  condition=f"line {s.line}"))
+                    for s in sites[:50]]
+        failed = count > 0 and metric not in spec.thresholds  # a threshold, where given, decides instead
+        return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
+                           metrics={metric: Metric(value=count, better="lower")}, findings=findings,
+                           duration_s=time.perf_counter() - t0), True
+
+    def _run_pytest(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """The tree's own tests (node ids), under the lifeline; JUnit XML says what failed and where."""
+        import shlex
+
+        from feedback.junit import read_junit
+
+        with tempfile.TemporaryDirectory(prefix="infra-agent-pytest-") as tmp:
+            xml = pathlib.Path(tmp) / "junit.xml"
+            cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
+                              f"--junitxml={xml}", "-o", "junit_family=xunit1", *spec.pytest])
+            rc, stdout, stderr, secs, timed_out = self._spawn(
+                spec, [sys.executable, "-m", "feedback.lifeline", "--", cmd], shell=False)
+            base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
+            if timed_out:
+                return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
+                                   "process group killed", **base), False
+            if rc == 5 or not xml.is_file():
+                why = "no tests were collected" if rc == 5 else self._exit_reason(rc or 1)
+                last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip()][-1:]
+                return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
+                                   + (f": {last[0][:200]}" if last else ""), **base), False
+            try:
+                summary = read_junit(xml, self.tree)
+            except ValueError as exc:
+                return ProbeResult(status=Status.error, reason=str(exc), **base), False
+        if rc == 4 or summary.tests == 0:  # a node id that names nothing: usage error, or nothing ran
+            last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip() and "ERROR" in ln][-1:]
+            return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: no test ran"
+                               + (f": {last[0][:200]}" if last else ""), **base), False
+        return ProbeResult(status=Status.failed if summary.failed + summary.errors else Status.passed,
+                           metrics={k: Metric(value=v, better="lower" if k in ("failed", "errors") else None)
+                                    for k, v in summary.counts().items()},
+                           findings=summary.findings, **base), True
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""
@@ -305,6 +385,52 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - garbage output is an error result, not a crash
             return ProbeResult(status=Status.error, reason=f"command printed no JSON result: {exc}".splitlines()[0],
                                **base), False
+
+
+def _read_witness(fd: int, stamps: list[tuple[float, str]]) -> None:
+    """Stamp each line the probe writes to the witness pipe with this process's clock, until EOF."""
+    buf = b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(4096):
+            now = time.monotonic()
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            stamps.extend((now, ln.decode("utf-8", "replace")) for ln in lines[-64:])
+            del stamps[:-4096]  # a probe writing without end keeps only the latest
+
+
+def witnessed(result: ProbeResult, stamps: list[tuple[float, str]], *, rel: float = 0.5,
+              abs_s: float = 0.02) -> ProbeResult:
+    """Hold each timed loop's length by the probe's clock against the harness's stamps of it.
+
+    The witness measures the same interval from outside the probe process (plus pipe latency), so
+    a probe clock that runs slow, or a loop the harness never saw begin and end, fails the probe:
+    its times cannot be trusted."""
+    if not result.spans or result.status not in (Status.passed, Status.failed):
+        return result
+    from feedback.models import Finding
+
+    seen: dict[str, float] = {}
+    begun: dict[str, float] = {}
+    for t, line in stamps:
+        tag, _, edge = line.rpartition(" ")
+        if edge == "B":
+            begun[tag] = t
+        elif edge == "E" and tag in begun:
+            seen[tag] = t - begun.pop(tag)
+    problems = []
+    for tag, inside in result.spans.items():
+        outside = seen.get(tag)
+        if outside is None:
+            problems.append(f"timed loop '{tag}': the harness never saw it begin and end (witness pipe closed "
+                            "or written over); its times cannot be trusted")
+        elif not outside * (1 - rel) - abs_s <= inside <= outside * (1 + rel) + abs_s:
+            problems.append(f"timed loop '{tag}': the probe's clock says {inside:.4f} s, the harness's clock "
+                            f"{outside:.4f} s; its times cannot be trusted")
+    if not problems:
+        return result
+    findings = list(result.findings) + [Finding(message=p) for p in problems]
+    return result.model_copy(update={"findings": findings, "status": Status.failed})
 
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)(?:,)? in (?P<func>\S+)')

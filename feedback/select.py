@@ -6,6 +6,7 @@ import pathlib
 import re
 
 from feedback.manifest import STAGE_ORDER, Manifest, ProbeSpec
+from feedback.state import SKIP_PARTS
 
 _DIFF_PATH = re.compile(r"^(?:---|\+\+\+) (?:[ab]/)?(?P<path>\S+)")
 
@@ -57,7 +58,7 @@ def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
     for n in names:
         p = pathlib.Path(n)
         rel = p.relative_to(sub) if str(sub) != "." and p.is_relative_to(sub) else p
-        if str(rel) not in out:
+        if SKIP_PARTS.isdisjoint(rel.parts) and str(rel) not in out:  # never our own state or bytecode
             out.append(str(rel))
     return out
 

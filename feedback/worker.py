@@ -42,8 +42,13 @@ def main(argv: list[str]) -> int:
     from feedback.probe import ProbeContext, Skip
 
     emulation.install_from_env()
+    if request.get("arm"):  # a timing probe: the harness's clocks are kept before the tree is imported
+        from feedback import timing
+
+        timing.arm()
     ctx = ProbeContext(request["probe"], request.get("params", {}), str(tree))
-    t0 = time.perf_counter()
+    clock = time.perf_counter  # bound before the tree under test is imported
+    t0 = clock()
     status, reason = Status.passed, None
     try:
         module_name, func_name = request["entry"].split(":")
@@ -56,6 +61,9 @@ def main(argv: list[str]) -> int:
         if isinstance(returned, dict):
             for name, value in returned.items():
                 ctx.metric(name, value)
+        if request.get("arm") and (replaced := timing.tampered()):
+            ctx.fail("the timing machinery was replaced while the probe ran: " + ", ".join(replaced)
+                     + " (its times cannot be trusted)")
         status = Status.failed if ctx.failed else Status.passed
     except Skip as exc:
         status, reason = Status.skipped, str(exc) or "skipped"
@@ -65,7 +73,8 @@ def main(argv: list[str]) -> int:
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:400] + (f" (at {where})" if where else "")
         traceback.print_exc()
     result = ProbeResult(probe=request["probe"], status=status, metrics=ctx.metrics, findings=ctx.findings,
-                         duration_s=time.perf_counter() - t0, environment=fingerprint(), reason=reason)
+                         duration_s=clock() - t0, environment=fingerprint(), reason=reason,
+                         spans=ctx.spans)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(result.model_dump_json())
     os.replace(tmp, out)

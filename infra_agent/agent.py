@@ -114,22 +114,17 @@ class Agent:
         self.emit("feedback", {"report": report})
         return report
 
-    def run(self) -> str:
+    def run(self, restored: bool = False) -> str:
+        """The session to its end.  ``restored``: the conversation, steps and attempts were put back by
+        :func:`infra_agent.resume.restore`; the agent is told so, with fresh feedback on the baseline."""
         try:
-            self.feedback = self.initial = self.judge_baseline()
-            rejected = self.queue.rejections(self.ws.target_label)
-            self.rejected_playbooks = sorted({i.playbook for i in rejected if i.playbook})
-            notes = "".join(f"\n- {i.playbook or 'patch'} ({i.hypothesis[:80]}): rejected by {i.settled_by}: {i.reason}"
-                            for i in rejected[-10:])
-            self.messages = [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"Goal: {self.goal}\n\nTarget: {self.ws.target_label}\n"
-                                            + (f"Reviewers rejected earlier patches on this target:{notes}\n"
-                                               if notes else "")
-                                            + f"Feedback on the baseline:\n{render_report(self.feedback)}"},
-            ]
-            for m in self.messages:
-                self.trajectory.write({"step": 0, **m})
+            self.feedback = self.judge_baseline()
+            if restored:
+                self._say(f"The session was interrupted and is resumed at step {self.step}. "
+                          f"Feedback on the baseline now:\n{render_report(self.feedback)}")
+            else:
+                self.initial = self.feedback
+                self._open()
             while True:
                 self._check_limits()
                 self.step += 1
@@ -145,6 +140,27 @@ class Agent:
         self.trajectory.write({"step": self.step, "role": "session", "outcome": self.outcome,
                                "summary": self.summary_text})
         return self.outcome
+
+    def _open(self) -> None:
+        """The opening messages: the task, what reviewers rejected before, the baseline's feedback."""
+        rejected = self.queue.rejections(self.ws.target_label)
+        self.rejected_playbooks = sorted({i.playbook for i in rejected if i.playbook})
+        notes = "".join(f"\n- {i.playbook or 'patch'} ({i.hypothesis[:80]}): rejected by {i.settled_by}: {i.reason}"
+                        for i in rejected[-10:])
+        self.messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Goal: {self.goal}\n\nTarget: {self.ws.target_label}\n"
+                                        + (f"Reviewers rejected earlier patches on this target:{notes}\n"
+                                           if notes else "")
+                                        + f"Feedback on the baseline:\n{render_report(self.feedback)}"},
+        ]
+        for m in self.messages:
+            self.trajectory.write({"step": 0, **m})
+
+    def _say(self, text: str) -> None:
+        message = {"role": "user", "content": text}
+        self.messages.append(message)
+        self.trajectory.write({"step": self.step, **message})
 
     def _check_limits(self) -> None:
         lim = self.limits
@@ -189,9 +205,9 @@ class Agent:
                   f"${self.usage['cost_usd']:.2f}")
         self.emit("action", {"step": self.step, "name": action.name, "args": action.args, "budget": budget})
         observation = self.execute(action)
-        self.messages.append({"role": "tool", "tool_call_id": action.call_id or f"call_{self.step}",
-                              "content": observation})
-        self.trajectory.write({"step": self.step, "role": "tool", "content": observation})
+        reply = {"role": "tool", "tool_call_id": action.call_id or f"call_{self.step}", "content": observation}
+        self.messages.append(reply)
+        self.trajectory.write({"step": self.step, **reply})
         self.emit("observation", {"step": self.step, "name": action.name, "text": observation})
 
     # -- actions --

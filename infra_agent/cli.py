@@ -56,18 +56,63 @@ def manifest_schema() -> None:
 @manifest_app.command("check")
 def manifest_check(
     directory: str = typer.Argument(None, help="target root (default: the bundled target_stack)"),
+    manifest: str = typer.Option(None, "--manifest", help="a manifest kept outside the target tree"),
 ) -> None:
-    """Validate a target's manifest without running anything."""
-    from feedback.manifest import ManifestError, load_manifest
+    """Validate a target's manifest without running anything, and name what it points at that is missing."""
+    import pathlib
+
+    from feedback.manifest import ManifestError, dangling, load_manifest, parse_manifest
 
     root = _target_root(directory)
+    path = pathlib.Path(manifest) if manifest else root / "infra-agent.yaml"
     try:
-        m = load_manifest(root)
+        m = parse_manifest(path.read_text(), str(path)) if manifest else load_manifest(root)
     except ManifestError as exc:
         fail(str(exc))
-    console.print(f"[green]ok[/] {root / 'infra-agent.yaml'}: {m.name}, {len(m.probes)} probes, "
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror}")
+    problems = dangling(m, root)
+    for line in problems:
+        err_console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+    console.print(f"[green]ok[/] {path}: {m.name}, {len(m.probes)} probes, "
                   f"{len(m.acceptance)} acceptance criteria, {len(m.risk)} risk rules, "
-                  f"{len(m.protected)} protected paths")
+                  f"{len(m.protected)} protected paths" + (f"; {len(problems)} warning(s)" if problems else ""),
+                  highlight=False)
+
+
+@app.command()
+def init(
+    directory: str = typer.Argument(".", help="the repository to inspect"),
+    manifest: str = typer.Option(None, "--manifest", help="where to write the manifest (default: "
+                                 "DIR/infra-agent.yaml; outside the tree keeps the judges out of the agent's reach)"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing manifest"),
+    max_tests: int = typer.Option(12, "--max-tests", min=0, help="pytest probes to write at most"),
+) -> None:
+    """Inspect a repository (packages, Triton kernels, pytest tests, benchmarks) and write a starter manifest."""
+    import pathlib
+
+    from feedback.manifest import parse_manifest
+    from infra_agent.starter import inspect, starter_manifest
+
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        fail(f"{directory} is not a directory")
+    out = pathlib.Path(manifest) if manifest else root / "infra-agent.yaml"
+    if out.exists() and not force:
+        fail(f"{out} exists; --force overwrites it")
+    inv = inspect(root)
+    text = starter_manifest(inv, max_tests=max_tests)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    written = parse_manifest(text).probes
+    console.print(f"[green]wrote[/] {out}: {len(written)} probes; found {len(inv.packages)} package(s) "
+                  f"({', '.join(inv.packages) or '-'}), {sum(len(k) for k in inv.kernels.values())} Triton kernel(s) "
+                  f"in {len(inv.kernel_files)} file(s), {len(inv.test_files)} test file(s) ({len(inv.kernel_tests)} "
+                  f"import kernels; {sum(p.pytest is not None for p in written)} written as pytest probes), "
+                  f"{len(inv.bench_files)} benchmark script(s) listed", highlight=False)
+    check = f"infra-agent manifest check {root}" + (f" --manifest {out}" if manifest else "")
+    console.print(f"next: [bold]{check}[/], then [bold]infra-agent feedback --target {root}"
+                  + (f" --manifest {out}" if manifest else "") + "[/]", highlight=False)
 
 
 def _target_root(directory: str | None):
@@ -95,6 +140,8 @@ def feedback(
     baseline: str = typer.Option(None, "--baseline", help="compare against this revision (default: --changed-from)"),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1, help="probes run in parallel"),
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore cached probe results"),
+    manifest_file: str = typer.Option(None, "--manifest", help="a manifest kept outside the target tree (the judges "
+                                                               "then live where no change to the tree reaches them)"),
 ) -> None:
     """Judge a target tree with its probes: correctness, microbenchmarks, traces, events, serving metrics.
 
@@ -103,7 +150,7 @@ def feedback(
     import pathlib
 
     from feedback.harness import UnknownProbe, export_baseline, judge
-    from feedback.manifest import ManifestError, load_manifest
+    from feedback.manifest import ManifestError, load_manifest, parse_manifest
     from feedback.select import DiffError, changed_files
     from feedback.state import StateDir
 
@@ -112,8 +159,11 @@ def feedback(
     if diff and not pathlib.Path(diff).is_file():
         fail(f"--diff {diff}: no such file")
     root = _target_root(target)
+    if manifest_file and not pathlib.Path(manifest_file).is_file():
+        fail(f"--manifest {manifest_file}: no such file")
     try:
-        manifest = load_manifest(root)
+        manifest = (parse_manifest(pathlib.Path(manifest_file).read_text(), manifest_file) if manifest_file
+                    else load_manifest(root))
         changed = changed_files(root, since=changed_from,
                                 diff=pathlib.Path(diff).read_text(errors="replace") if diff else None)
         base_rev = baseline or changed_from
@@ -125,7 +175,8 @@ def feedback(
         report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
                                     run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
                                     jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
-                                    quiet=as_json, cache_dir=StateDir.of(root).cache)
+                                    quiet=as_json, cache_dir=StateDir.of(root).cache,
+                                    baseline_manifest=manifest if manifest_file else None)
         if keep is not None:
             keep.cleanup()
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
@@ -472,6 +523,9 @@ def run(
     time_limit: float = typer.Option(1800.0, "--time-limit", min=1.0, help="seconds"),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1),
     as_json: bool = typer.Option(False, "--json", help="print the session summary as JSON"),
+    resume: str = typer.Option(None, "--resume", metavar="SESSION",
+                               help="go on with a session that was killed or stopped (`infra-agent sessions list`): "
+                                    "its branch, attempts and conversation; --max-steps more steps"),
 ) -> None:
     """Run an agent session: feedback, hypotheses, patches judged by the harness, a summary.
 
@@ -487,6 +541,11 @@ def run(
     from infra_agent.session import BACKENDS, default_backend, make_backend, print_event, render_summary, run_session
     from infra_agent.workspace import GitWorkspace, new_session_id
 
+    if resume:
+        if scenario:
+            fail("--resume goes on with a session as it was started; --scenario starts a new one")
+        return _resume(resume, target, goal, backend, model, base_url, trajectory, max_steps, time_limit, jobs,
+                       as_json)
     backend = backend or default_backend()
     if backend not in BACKENDS:
         fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -513,6 +572,8 @@ def run(
             console.print(f"[bold]session {session}[/] on {ws.target_label}, backend {backend}"
                           + (f" ({be.model})" if getattr(be, "model", None) else "") + f", branch {ws.branch}")
         task = goal or (sc.goal.strip() if sc else DEFAULT_GOAL)
+        ws.update_meta(goal=task, backend=backend, model=getattr(be, "model", None), base_url=base_url,
+                       trajectory=trajectory)
         outcome, summary = run_session(ws, be, task, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
                                        on_event=None if as_json else print_event(console), scenario=sc)
         summaries.append(summary)
@@ -526,6 +587,46 @@ def run(
         _render_scenarios_run(summaries)
     codes = [s["exit_code"] if not s.get("scenario") or s["scenario"]["solved"] != "no" else 1 for s in summaries]
     raise typer.Exit(130 if outcome == "interrupted" else max(codes))
+
+
+def _resume(session: str, target, goal, backend, model, base_url, trajectory, max_steps: int, time_limit: float,
+            jobs: int, as_json: bool) -> None:
+    """``run --resume SESSION``: the session's workspace, backend and goal as it was started (options given
+    now win), on from where its trajectory and records stop."""
+    import json
+    import pathlib
+
+    from feedback.state import StateDir
+    from infra_agent.agent import Limits
+    from infra_agent.resume import ResumeError
+    from infra_agent.scenarios import ScenarioError, resolve
+    from infra_agent.session import make_backend, print_event, render_summary, run_session
+    from infra_agent.workspace import GitWorkspace
+
+    state = StateDir.of(pathlib.Path(target) if target else None)
+    try:
+        ws = GitWorkspace.reopen(state, session)
+        meta = ws.meta()
+        sc = resolve(meta["scenario"])[0] if meta.get("scenario") else None
+        be = make_backend(backend or meta.get("backend"), ws, model=model or meta.get("model"),
+                          base_url=base_url or meta.get("base_url"), trajectory=trajectory or meta.get("trajectory"))
+    except (ValueError, ScenarioError, json.JSONDecodeError) as exc:
+        fail(str(exc))
+    if not as_json:
+        console.print(f"[bold]resuming session {session}[/] on {ws.target_label}, backend {be.name}, "
+                      f"branch {ws.branch}", highlight=False)
+    try:
+        outcome, summary = run_session(ws, be, goal or meta.get("goal") or DEFAULT_GOAL,
+                                       Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
+                                       on_event=None if as_json else print_event(console), scenario=sc, resume=True)
+    except ResumeError as exc:
+        fail(str(exc))
+    if as_json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        render_summary(summary, console)
+    solved = not summary.get("scenario") or summary["scenario"]["solved"] != "no"
+    raise typer.Exit(130 if outcome == "interrupted" else summary["exit_code"] if solved else 1)
 
 
 def _render_scenarios_run(summaries: list[dict]) -> None:

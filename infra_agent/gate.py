@@ -54,6 +54,10 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("num.reduction-order", "numerics",
          r"tl\.(sum|cumsum|reduce|associative_scan|dot|atomic_add)|\.(sum|cumsum|mean)\(|accumulat|split_k|splitk",
          CODE),
+    Rule("num.backend-flags", "numerics",  # library switches that change every kernel's numbers, no dtype word
+         r"torch\.backends\.\w+\.\w+|\bcudnn\.(benchmark|deterministic|enabled|allow_tf32)\b|"
+         r"use_deterministic_algorithms|set_flush_denormal|set_default_dtype|NVIDIA_TF32_OVERRIDE|"
+         r"TORCH_ALLOW_TF32\w*|CUBLAS_WORKSPACE_CONFIG|TRITON_F32_DEFAULT|\bfast_accum\b", ("*",)),
     # concurrency
     Rule("conc.threads", "concurrency", r"\bthreading\b|Thread\(|ThreadPool|multiprocessing|concurrent\.futures",
          CODE),

@@ -3,6 +3,12 @@
 An item is settled once.  The settling UPDATE only matches a pending row inside an IMMEDIATE
 transaction, so two reviewers (two terminals, two processes) approving at once cannot both win:
 the second gets a clear message naming who settled the item and when.
+
+An approval is two steps: the item is claimed (``approving``, with the claiming process), the
+candidate is merged and re-validated, and only then does the session branch move and the item
+become ``applied``.  A merge or validation that fails puts the item back to ``pending`` with a
+note; an approval whose process died (``kill -9``, a lost terminal) is put back to ``pending``
+the next time the queue is opened on that host.  Either way the branch has not moved.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import datetime as _dt
 import getpass
 import json
+import os
 import pathlib
+import socket
 import sqlite3
 import tempfile
 from typing import Any
@@ -23,7 +31,7 @@ from feedback.manifest import load_manifest
 from infra_agent.experiments import RecordError, settle_record
 from infra_agent.workspace import ACTOR
 
-STATES = ("pending", "approved", "rejected", "applied")
+STATES = ("pending", "approving", "approved", "rejected", "applied")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS items (
@@ -47,9 +55,12 @@ CREATE TABLE IF NOT EXISTS items (
     comment TEXT,
     reason TEXT,
     applied_commit TEXT,
-    note TEXT
+    note TEXT,
+    claimed_pid INTEGER,
+    claimed_host TEXT
 );
 """
+_ADDED = {"claimed_pid": "INTEGER", "claimed_host": "TEXT"}  # columns newer than the first queues
 
 
 class AlreadySettled(Exception):
@@ -82,6 +93,8 @@ class Item(BaseModel):
     reason: str | None = None
     applied_commit: str | None = None
     note: str | None = None
+    claimed_pid: int | None = None
+    claimed_host: str | None = None
 
     @property
     def categories(self) -> list[str]:
@@ -99,6 +112,29 @@ class ReviewQueue:
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.executescript(SCHEMA)
+            have = {r["name"] for r in db.execute("PRAGMA table_info(items)")}
+            for col, kind in _ADDED.items():
+                if col not in have:
+                    db.execute(f"ALTER TABLE items ADD COLUMN {col} {kind}")
+        self.recover()
+
+    def recover(self) -> list[int]:
+        """Approvals interrupted on this host (their process is gone) back to pending; their ids."""
+        host, back = socket.gethostname(), []
+        with self._connect() as db:
+            for row in db.execute("SELECT id, repo, claimed_pid, settled_by, settled_at FROM items "
+                                  "WHERE state = 'approving' AND claimed_host = ?", (host,)).fetchall():
+                if row["claimed_pid"] and _alive(row["claimed_pid"]):
+                    continue
+                note = (f"an approval by {row['settled_by']} at {row['settled_at']} was interrupted before it "
+                        "was merged; nothing changed, the item is pending again")
+                cur = db.execute("UPDATE items SET state = 'pending', settled_by = NULL, settled_at = NULL, "
+                                 "claimed_pid = NULL, claimed_host = NULL, note = ? "
+                                 "WHERE id = ? AND state = 'approving'", (note, row["id"]))
+                if cur.rowcount:
+                    back.append(row["id"])
+                    _remove_merge_worktrees(row["repo"])
+        return back
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
@@ -147,17 +183,21 @@ class ReviewQueue:
             raise ValueError(f"decision must be approved or rejected, got {decision!r}")
         if decision == "rejected" and not (reason and reason.strip()):
             raise ValueError("a rejection needs a reason (it reaches the agent's next session)")
+        state = "approving" if decision == "approved" else decision  # an approval counts once it is merged
         db = self._connect()
         try:
             db.execute("BEGIN IMMEDIATE")
-            cur = db.execute("UPDATE items SET state = ?, settled_by = ?, settled_at = ?, comment = ?, reason = ? "
-                             "WHERE id = ? AND state = 'pending'",
-                             (decision, reviewer, _now(), comment, reason, item_id))
+            cur = db.execute("UPDATE items SET state = ?, settled_by = ?, settled_at = ?, comment = ?, reason = ?, "
+                             "claimed_pid = ?, claimed_host = ? WHERE id = ? AND state = 'pending'",
+                             (state, reviewer, _now(), comment, reason, os.getpid(), socket.gethostname(), item_id))
             if cur.rowcount == 0:
                 row = db.execute("SELECT * FROM items WHERE id = ?", (item_id,)).fetchone()
                 db.execute("ROLLBACK")
                 if row is None:
                     raise UnknownItem(f"no review item {item_id}")
+                if row["state"] == "approving":
+                    raise AlreadySettled(f"item {item_id} is being approved by {row['settled_by']} "
+                                         f"(since {row['settled_at']})")
                 raise AlreadySettled(f"item {item_id} was already {row['state']} by {row['settled_by']} "
                                      f"at {row['settled_at']}")
             db.execute("COMMIT")
@@ -166,7 +206,8 @@ class ReviewQueue:
         return self.get(item_id)
 
     def update(self, item_id: int, **fields: Any) -> Item:
-        allowed = {"state", "applied_commit", "note", "experiment"}
+        allowed = {"state", "applied_commit", "note", "experiment", "settled_by", "settled_at", "claimed_pid",
+                   "claimed_host"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"cannot update {sorted(bad)}")
@@ -177,6 +218,37 @@ class ReviewQueue:
 
     def rejections(self, target: str) -> list[Item]:
         return self.list(state="rejected", target=target)
+
+
+MERGE_PREFIX = "infra-agent-merge-"
+
+
+def _remove_merge_worktrees(repo_dir: str) -> None:
+    """The scratch worktrees of approvals killed mid-merge, unregistered and deleted (best effort)."""
+    try:
+        repo = git.Repo(repo_dir)
+        listing = repo.git.worktree("list", "--porcelain")
+    except (git.GitCommandError, git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return
+    for line in listing.splitlines():
+        path = line.removeprefix("worktree ")
+        if line.startswith("worktree ") and pathlib.Path(path).parent.name.startswith(MERGE_PREFIX):
+            try:
+                repo.git.worktree("remove", "--force", path)
+                pathlib.Path(path).parent.rmdir()
+            except (git.GitCommandError, OSError):
+                pass
+    repo.git.worktree("prune")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def reviewer_name(explicit: str | None = None) -> str:
@@ -192,15 +264,22 @@ def reviewer_name(explicit: str | None = None) -> str:
 
 
 def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
-    """Merge an approved candidate into its session branch, re-run its validation probes on the merged
-    tree, and only then advance the branch (state ``applied``).  A failure is reported and the merge
-    is undone: the branch does not move."""
-    if item.state != "approved":
-        raise ValueError(f"item {item.id} is {item.state}, not approved")
+    """Merge a candidate being approved into its session branch, re-run its validation probes on the
+    merged tree, and only then advance the branch (state ``applied``).  A merge or validation that
+    fails is undone and reported, and the item is pending again: the branch does not move."""
+    if item.state != "approving":
+        raise ValueError(f"item {item.id} is {item.state}, not being approved")
+    who = item.settled_by
+
+    def back_to_pending(why: str) -> Item:
+        return queue.update(item.id, state="pending", settled_by=None, settled_at=None, claimed_pid=None,
+                            claimed_host=None, note=f"approval by {who} not applied: {why}; the item is pending")
+
     repo = git.Repo(item.repo)
     old = repo.heads[item.session_branch].commit.hexsha
-    with tempfile.TemporaryDirectory(prefix="infra-agent-merge-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=MERGE_PREFIX) as tmp:
         wt = pathlib.Path(tmp) / "merge"
+        repo.git.worktree("prune")  # the records of merges a killed approval left behind
         repo.git.worktree("add", "--detach", str(wt), old)
         try:
             w = git.Repo(wt)
@@ -209,17 +288,17 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
                             env={"GIT_AUTHOR_NAME": ACTOR.name, "GIT_AUTHOR_EMAIL": ACTOR.email,
                                  "GIT_COMMITTER_NAME": ACTOR.name, "GIT_COMMITTER_EMAIL": ACTOR.email})
             except git.GitCommandError as exc:
-                return queue.update(item.id, note=f"merge failed, nothing changed: {str(exc).splitlines()[-1]}")
+                return back_to_pending(f"merge failed, nothing changed: {str(exc).splitlines()[-1]}")
             known = {p.id for p in load_manifest(wt).probes}
             probes = [p for p in item.validation if p in known]
             if probes:
                 report = judge(wt, probe_ids=probes, run_all=True, jobs=jobs)
                 if not report.passed:
                     bad = ", ".join(r.probe for r in report.results if not r.ok)
-                    return queue.update(item.id, note=f"validation failed on the merged tree ({bad}); merge undone")
+                    return back_to_pending(f"validation failed on the merged tree ({bad}); merge undone")
             merged = w.head.commit.hexsha
             repo.git.update_ref(f"refs/heads/{item.session_branch}", merged, old)
-            return queue.update(item.id, state="applied", applied_commit=merged,
+            return queue.update(item.id, state="applied", applied_commit=merged, claimed_pid=None, claimed_host=None,
                                 note=f"merged and validated ({len(probes)} probes)")
         finally:
             repo.git.worktree("remove", "--force", str(wt))
@@ -235,7 +314,7 @@ def settle(queue: ReviewQueue, item_id: int, decision: str, reviewer: str | None
     if decision == "approved":
         item = apply_approved(queue, item, jobs=jobs)
     warnings = []
-    if item.experiment:
+    if item.experiment and item.state in ("applied", "rejected"):
         why = (item.comment or "") if decision == "approved" else (item.reason or "")
         try:
             settle_record(pathlib.Path(item.experiment), decision, item.settled_by, why, commit=item.applied_commit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -69,6 +70,8 @@ def print_event(console: Console):
                           highlight=False, soft_wrap=True)
             for r in a.risk[:4]:
                 console.print(f"  [yellow]gate[/] {r}", highlight=False, soft_wrap=True)
+        elif kind == "resumed":
+            console.print(f"[bold]{data['text']}[/]", highlight=False)
         elif kind == "format_error":
             console.print(f"  [red]format error[/]: {data['message']}", highlight=False)
 
@@ -76,12 +79,20 @@ def print_event(console: Console):
 
 
 def run_session(ws, backend, goal: str, limits: Limits, jobs: int = 2, on_event=None,
-                scenario: Scenario | None = None) -> tuple[str, dict]:
+                scenario: Scenario | None = None, resume: bool = False) -> tuple[str, dict]:
     """One agent session to its end (the workspace's worktrees removed after); the summary is written
-    to the session's folder and returned with the outcome."""
+    to the session's folder and returned with the outcome.  ``resume``: the session goes on from its
+    trajectory and records (:mod:`infra_agent.resume`), ``limits.max_steps`` more steps at most."""
     agent = Agent(backend, ws, goal, limits, jobs=jobs, on_event=on_event)
     try:
-        outcome = agent.run()
+        if resume:
+            from infra_agent.resume import restore
+
+            where = restore(agent, ws.meta()["base"])
+            agent.limits = dataclasses.replace(limits, max_steps=agent.step + limits.max_steps)
+            if on_event:
+                on_event("resumed", {"text": where})
+        outcome = agent.run(restored=resume)
         summary = summarise(agent, scenario)  # the scenario's criteria read the manifest of the live baseline
     finally:
         ws.close()

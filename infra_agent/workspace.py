@@ -108,13 +108,41 @@ class GitWorkspace:
         return ws
 
     def _write_meta(self) -> None:
+        if not (self.state_dir / "session.json").exists():
+            self.update_meta(session=self.session, target=self.target_label, repo=str(self.repo.working_tree_dir),
+                             branch=self.branch, started=_dt.datetime.now().isoformat(timespec="seconds"),
+                             base=self.head(), scenario=self.scenario)
+
+    def meta(self) -> dict:
+        """The session's ``session.json`` (what ``--resume`` rebuilds it from)."""
+        return json.loads((self.state_dir / "session.json").read_text())
+
+    def update_meta(self, **fields) -> None:
+        """Merge ``fields`` into ``session.json``, atomically (a kill leaves the old file or the new)."""
         meta = self.state_dir / "session.json"
-        if not meta.exists():
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps({"session": self.session, "target": self.target_label,
-                                        "repo": str(self.repo.working_tree_dir), "branch": self.branch,
-                                        "started": _dt.datetime.now().isoformat(timespec="seconds"),
-                                        "base": self.head()}, indent=2))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        data = {**(json.loads(meta.read_text()) if meta.exists() else {}), **fields}
+        tmp = meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(meta)
+
+    @classmethod
+    def reopen(cls, state: StateDir, session: str) -> GitWorkspace:
+        """An existing session's workspace, as ``session.json`` describes it; worktrees a killed run left
+        are removed, and candidate numbers go on after the ones already used."""
+        meta_path = state.session(session) / "session.json"
+        if not meta_path.is_file():
+            raise ValueError(f"no session {session!r} in {state.root} (`infra-agent sessions list` shows them)")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("target", "").startswith("bundled:"):
+            ws = cls.bundled(session, state=state, scenario=meta.get("scenario"))
+        else:
+            ws = cls.external(pathlib.Path(meta["repo"]), session)
+        ws.close()
+        names = [h.name for h in ws.repo.heads if h.name.startswith(f"{ws.branch}-candidate-")]
+        used = [int(n.rsplit("-", 1)[1]) for n in names if n.rsplit("-", 1)[1].isdigit()]
+        ws._n = max(used, default=ws._n)
+        return ws
 
     # --- trees ----------------------------------------------------------------------------------
 
@@ -142,6 +170,13 @@ class GitWorkspace:
             path = self._add_worktree("baseline", head)
             self._baseline = Candidate("baseline", path, head)
         return self._baseline
+
+    def tree_at(self, commit: str, name: str) -> pathlib.Path:
+        """A detached worktree at ``commit`` (drop it with :meth:`drop_tree`)."""
+        return self._add_worktree(name, commit)
+
+    def drop_tree(self, path: pathlib.Path) -> None:
+        self.discard(Candidate(path.name, path, ""))
 
     def new_candidate(self) -> Candidate:
         self._n += 1

@@ -34,6 +34,11 @@ CORPUS = {
                                    "clamp_(-128, 127).to(torch.int8), scale", "held", "numerics"),
     "a reduction reordered": (SAMPLER, "before = sorted_p.cumsum(-1) - sorted_p",
                               "before = sorted_p.flip(-1).cumsum(-1).flip(-1) - sorted_p", "held", "numerics"),
+    "the cudnn autotuner switched on": (SAMPLER, "import torch\n",
+                                        "import torch\n\ntorch.backends.cudnn.benchmark = True\n", "held", "numerics"),
+    "tf32 allowed through the environment": ("target_stack/ops/utils.py", "import os\n",
+                                             'import os\n\nos.environ.setdefault("NVIDIA_TF32_OVERRIDE", "1")\n',
+                                             "held", "numerics"),
     "a comment reworded": (CACHE, "        with self._lock:\n            if count > len(self._free):",
                            "        with self._lock:  # one owner at a time\n            if count > len(self._free):",
                            "held", "concurrency"),  # it touches the lock's line: a person looks

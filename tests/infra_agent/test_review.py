@@ -36,8 +36,11 @@ def test_settled_once_and_the_second_reviewer_is_told_who_and_when(tmp_path):
     q = ReviewQueue(tmp_path / "review.db")
     i = _item(q)
     q.settle(i, "approved", "alice", comment="ok")
-    with pytest.raises(AlreadySettled, match=r"item 1 was already approved by alice at \d{4}-"):
+    with pytest.raises(AlreadySettled, match=r"item 1 is being approved by alice \(since \d{4}-"):
         q.settle(i, "rejected", "bob", reason="no")
+    q.settle(j := _item(q), "rejected", "alice", reason="no")
+    with pytest.raises(AlreadySettled, match=rf"item {j} was already rejected by alice at \d{{4}}-"):
+        q.settle(j, "approved", "bob")
     with pytest.raises(ValueError, match="needs a reason"):
         q.settle(_item(q), "rejected", "bob", reason=" ")
 
@@ -83,7 +86,7 @@ def test_two_processes_approving_one_item_at_once_exactly_one_wins(tmp_path):
     assert sorted(o.split()[0] for o in outs) == ["LOST", "WON"], outs
     winner = "alice" if outs[0] == "WON" else "bob"
     loser_msg = next(o for o in outs if o.startswith("LOST"))
-    assert f"already approved by {winner} at" in loser_msg
+    assert f"is being approved by {winner}" in loser_msg
     assert q.get(1).settled_by == winner
 
 
@@ -169,8 +172,51 @@ def test_a_failing_validation_undoes_the_merge(tmp_path, monkeypatch):
     repo.git.worktree("remove", "--force", str(wt))
     before = repo.heads[ws.branch].commit.hexsha
     item = apply_approved(q, q.settle(1, "approved", "dave"))
-    assert item.state == "approved" and "validation failed" in item.note and "merge undone" in item.note
+    assert item.state == "pending" and "validation failed" in item.note and "merge undone" in item.note
+    assert item.settled_by is None and "approval by dave" in item.note
     assert repo.heads[ws.branch].commit.hexsha == before
+
+
+HANGING = """import pathlib, time
+def compute():
+    pathlib.Path({marker!r}).write_text("validating")
+    time.sleep(600)
+    return 1.0
+"""
+
+
+def test_an_approval_killed_mid_validation_leaves_the_item_pending_and_the_branch_unmoved(tmp_path, monkeypatch):
+    root, ws = _held_session(tmp_path, monkeypatch)
+    repo = git.Repo(root)
+    item = ReviewQueue(root / ".infra-agent" / "review.db").get(1)
+    wt, marker = tmp_path / "wt", tmp_path / "validating"
+    repo.git.worktree("add", str(wt), item.candidate_branch)
+    (wt / "toy" / "core.py").write_text(HANGING.format(marker=str(marker)))  # the validation probe hangs
+    git.Repo(wt).git.commit("-qam", "hang", author="t <t@t>")
+    repo.git.worktree("remove", "--force", str(wt))
+    before = repo.heads[ws.branch].commit.hexsha
+    proc = subprocess.Popen([sys.executable, "-m", "infra_agent.cli", "review", "approve", "1", "--target", str(root),
+                             "--reviewer", "frank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env_without_keys())
+    t0 = time.time()
+    while not marker.exists() and time.time() - t0 < 120 and proc.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "the validation probe never started"
+    os.kill(proc.pid, signal.SIGKILL)  # mid-validation: merged in a scratch worktree, branch not yet moved
+    proc.wait()
+    q = ReviewQueue(root / ".infra-agent" / "review.db")  # opening the queue recovers the dead approval
+    item = q.get(1)
+    assert item.state == "pending" and item.settled_by is None, item
+    assert "approval by frank" in item.note and "interrupted" in item.note
+    assert repo.heads[ws.branch].commit.hexsha == before
+    assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "reject", "1", "--target", str(root),
+                          "--reason", "hangs in validation", "--reviewer", "gina"], capture_output=True, text=True,
+                         env=env_without_keys())
+    assert out.returncode == 0, out.stderr
+    assert q.get(1).state == "rejected"
+    repo.git.worktree("prune")
+    assert len(repo.git.worktree("list").splitlines()) == 1  # no merge worktree left registered
 
 
 def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):

@@ -1,0 +1,193 @@
+"""Built-in static checks: probes a manifest names (``check: NAME``) instead of writing one.
+
+Each reads Python source under ``params.paths`` (files or folders of the tree, default the whole
+tree) with the ``ast`` module, imports nothing of the target and runs no code of it, and reports
+a count as a metric (``better: lower``) with one finding per site, bound to its file, line and the
+kernel or function around it:
+
+* ``dot_precision``: ``tl.dot`` calls inside ``@triton.jit`` kernels with an fp32 operand (as the
+  kernel's text shows it: an fp32 accumulator from ``tl.zeros(..., dtype=tl.float32)``, a ``.to(tl.float32)``,
+  another dot's result, arithmetic on those) that state no ``input_precision`` (nor the older
+  ``allow_tf32``): they get the device's default, tf32 on NVIDIA tensor cores, ~1e-3 relative
+  error per product that chained dots accumulate.  bf16 and fp16 dots are exact in fp32
+  accumulation and are not counted (``params.every: true`` counts every dot without a precision).
+  Metric ``implicit_precision``.
+* ``gil_native``: native libraries loaded so that their calls hold the GIL for their whole
+  duration (``ctypes.PyDLL``, ``ctypes.pydll``, ``ctypes.pythonapi``): every other Python thread of
+  the process (a KV-transfer thread, a scheduler) stops while they run.  Metric ``gil_holding_loads``.
+* ``kernel_loop_division``: a division (``/``, ``tl.fdiv``, ``tl.div_rn``) inside a loop of a
+  ``@triton.jit`` kernel: a reciprocal hoisted out of the loop, or an ``rsqrt`` multiply, does the
+  same work with a cheaper instruction per element.  Metric ``loop_divisions``.
+
+The runner calls :func:`run_check` in its own process (a static check needs no isolation); a
+file that does not parse is a finding, never a crash.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from feedback.state import SKIP_PARTS
+
+
+@dataclass
+class Site:
+    file: str
+    line: int
+    symbol: str | None
+    message: str
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_name(node.value)}.{node.attr}"
+    if isinstance(node, ast.Call):
+        return _name(node.func)
+    return ""
+
+
+def _is_kernel(fn: ast.AST) -> bool:
+    """A function decorated ``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)`` over it, ...)."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    return any(_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in fn.decorator_list)
+
+
+def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+_FP32 = ("tl.float32", "triton.language.float32", "tl.fp32")
+_ELEMENTWISE = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "abs", "maximum", "minimum", "where",
+                "sum", "cumsum", "max", "min", "trans", "reshape", "broadcast_to", "expand_dims", "permute", "view"}
+
+
+def _fp32_expr(node: ast.AST, fp32: set[str]) -> bool:
+    """Whether ``node`` is, as far as the kernel's own text says, an fp32 tensor."""
+    if isinstance(node, ast.Name):
+        return node.id in fp32
+    if isinstance(node, ast.Call):
+        fn = _name(node.func)
+        last = fn.split(".")[-1]
+        if last == "to" and node.args:  # x.to(tl.float32): fp32; x.to(anything else): not
+            return _name(node.args[0]) in _FP32
+        if last in ("zeros", "full", "zeros_like", "full_like") and fn.startswith(("tl.", "triton.language.")):
+            dtype = next((k.value for k in node.keywords if k.arg == "dtype"), node.args[-1] if len(node.args) > 1
+                         else None)
+            return dtype is not None and _name(dtype) in _FP32
+        if fn in ("tl.dot", "triton.language.dot"):  # accumulates in fp32 unless told otherwise
+            out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
+            return out is None or _name(out) in _FP32
+        if last in _ELEMENTWISE:
+            operand = node.func.value if isinstance(node.func, ast.Attribute) and not fn.startswith("tl.") else None
+            return any(_fp32_expr(a, fp32) for a in [*node.args, *([operand] if operand is not None else [])])
+        return False
+    if isinstance(node, ast.BinOp):
+        return _fp32_expr(node.left, fp32) or _fp32_expr(node.right, fp32)
+    if isinstance(node, ast.UnaryOp):
+        return _fp32_expr(node.operand, fp32)
+    if isinstance(node, ast.Subscript):
+        return _fp32_expr(node.value, fp32)
+    if isinstance(node, ast.Attribute) and node.attr == "T":
+        return _fp32_expr(node.value, fp32)
+    if isinstance(node, ast.IfExp):
+        return _fp32_expr(node.body, fp32) or _fp32_expr(node.orelse, fp32)
+    return False
+
+
+def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
+    """fp32 ``tl.dot`` calls without an explicit ``input_precision`` (``every``: any dot without one).
+
+    Which local names hold fp32 is followed through the kernel in source order: each dot is judged by
+    the assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
+    for fn in filter(_is_kernel, _functions(tree)):
+        events = []
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+                events.append(((node.end_lineno, node.end_col_offset, 1), node))
+            elif isinstance(node, ast.Call) and _name(node.func) in ("tl.dot", "triton.language.dot"):
+                events.append(((node.lineno, node.col_offset, 0), node))
+        fp32: set[str] = set()
+        for _, node in sorted(events, key=lambda e: e[0]):
+            if isinstance(node, ast.Call):
+                if {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"}:
+                    continue
+                if every or any(_fp32_expr(a, fp32) for a in node.args[:2]):
+                    yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
+                               "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            is32 = _fp32_expr(node.value, fp32) or (isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32))
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    (fp32.add if is32 else fp32.discard)(t.id)
+
+
+def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
+    enclosing = {}
+    for fn in _functions(tree):
+        for node in ast.walk(fn):
+            enclosing.setdefault(id(node), fn.name)
+    for node in ast.walk(tree):
+        name = _name(node) if isinstance(node, (ast.Call, ast.Attribute)) else ""
+        if isinstance(node, ast.Call) and name.split(".")[-1] == "PyDLL" or \
+                isinstance(node, ast.Attribute) and name in ("ctypes.pydll", "ctypes.pythonapi"):
+            yield Site(rel, node.lineno, enclosing.get(id(node)),
+                       f"{name}: its calls hold the GIL for their whole duration (CDLL releases it)")
+
+
+def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
+    for fn in filter(_is_kernel, _functions(tree)):
+        for loop in ast.walk(fn):
+            if not isinstance(loop, (ast.For, ast.While)):
+                continue
+            for node in ast.walk(loop):
+                div = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) or \
+                    isinstance(node, ast.Call) and _name(node.func).split(".")[-1] in ("fdiv", "div_rn")
+                if div:
+                    yield Site(rel, node.lineno, fn.name, f"division in the kernel's loop: {ast.unparse(node)[:80]}")
+
+
+CHECKS: dict[str, tuple[str, Callable[[ast.AST, str], Iterator[Site]]]] = {
+    "dot_precision": ("implicit_precision", dot_precision),
+    "gil_native": ("gil_holding_loads", gil_native),
+    "kernel_loop_division": ("loop_divisions", kernel_loop_division),
+}
+
+
+def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Path]:
+    """The ``.py`` files under ``paths`` (relative to ``root``; default everything), state and VCS left out."""
+    out: set[pathlib.Path] = set()
+    for p in paths or ["."]:
+        base = (root / p).resolve()
+        if not base.is_relative_to(root.resolve()):
+            raise ValueError(f"path {p!r} leaves the tree")
+        found = [base] if base.is_file() else sorted(base.rglob("*.py")) if base.is_dir() else []
+        out.update(f for f in found if SKIP_PARTS.isdisjoint(f.relative_to(root.resolve()).parts))
+    return sorted(out)
+
+
+def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = None,
+              **options) -> tuple[str, int, list[Site]]:
+    """(metric name, count, sites) of the built-in check ``name`` over ``paths`` of the tree ``root``."""
+    metric, check = CHECKS[name]
+    fn = (lambda tree, rel: check(tree, rel, **options)) if options else check
+    root = pathlib.Path(root).resolve()
+    sites: list[Site] = []
+    unreadable: list[Site] = []
+    for f in python_files(root, paths):
+        rel = f.relative_to(root).as_posix()
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"), filename=rel)
+        except SyntaxError as exc:
+            unreadable.append(Site(rel, exc.lineno or 0, None, f"does not parse: {exc.msg}"))
+            continue
+        sites.extend(sorted(fn(tree, rel), key=lambda site: site.line))
+    return metric, len(sites), sites + unreadable

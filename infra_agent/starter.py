@@ -1,0 +1,210 @@
+"""``infra-agent init``: look at a repository and write the manifest it can already be judged by.
+
+:func:`inspect` finds the Python packages (plain and ``src/`` layouts), the files with Triton
+kernels (``@triton.jit``), the pytest files and the benchmark scripts, reading source only.
+:func:`starter_manifest` turns that into probes that need no Python written against the harness:
+
+* the built-in static checks over the kernel files (``dot_precision``, ``kernel_loop_division``)
+  and over the packages (``gil_native``);
+* one ``pytest`` probe per test file that imports a module with kernels (the kernels' own tests,
+  covering those modules), up to ``max_tests``; other test files are listed, commented out;
+* benchmark scripts listed as comments: a ``command`` probe needs one JSON object on its last line;
+* the tests, conftest files, reference-looking modules and the manifest protected.
+
+The result is validated with the manifest schema before it is written; the user edits it from there.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+from feedback.manifest import MANIFEST_NAME, parse_manifest
+from feedback.state import SKIP_PARTS
+
+_SKIP = SKIP_PARTS | {".venv", "venv", "build", "dist", "node_modules", ".tox", ".eggs", "site-packages"}
+_REFERENCE = re.compile(r"(^|_)(ref|reference|naive|torch_ref)(_|\.py$)")
+
+
+@dataclass
+class Inventory:
+    root: pathlib.Path
+    import_root: str = "."  # "." or "src"
+    packages: list[str] = field(default_factory=list)  # top-level package folders, relative to root
+    kernel_files: list[str] = field(default_factory=list)
+    kernels: dict[str, list[str]] = field(default_factory=dict)  # file -> kernel names
+    test_files: list[str] = field(default_factory=list)
+    kernel_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports
+    bench_files: list[str] = field(default_factory=list)
+    references: list[str] = field(default_factory=list)
+
+
+def _files(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.rglob("*.py") if _SKIP.isdisjoint(p.relative_to(root).parts[:-1]))
+
+
+def _parse(path: pathlib.Path) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _kernel_names(tree: ast.Module) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                target = d.func if isinstance(d, ast.Call) else d
+                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+                if name in ("jit", "autotune", "heuristics"):
+                    out.append(node.name)
+                    break
+    return out
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    mods: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names)
+    return mods
+
+
+def _module(rel: str, import_root: str) -> str:
+    p = pathlib.PurePosixPath(rel)
+    if import_root != ".":
+        p = p.relative_to(import_root)
+    parts = list(p.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_test(rel: str) -> bool:
+    p = pathlib.PurePosixPath(rel)
+    return p.name.startswith("test_") or p.stem.endswith("_test")
+
+
+def inspect(root: str | pathlib.Path) -> Inventory:
+    """What the repository at ``root`` holds that probes can use (source only; nothing is imported)."""
+    root = pathlib.Path(root).resolve()
+    inv = Inventory(root=root)
+    src = root / "src"
+    inv.import_root = "src" if src.is_dir() and any((d / "__init__.py").is_file() for d in src.iterdir()
+                                                     if d.is_dir()) else "."
+    base = root / inv.import_root
+    inv.packages = sorted(d.relative_to(root).as_posix() for d in base.iterdir()
+                          if d.is_dir() and (d / "__init__.py").is_file() and d.name not in ("tests", "test")
+                          and not d.name.startswith("."))
+    trees: dict[str, ast.Module] = {}
+    for path in _files(root):
+        rel = path.relative_to(root).as_posix()
+        tree = _parse(path)
+        if tree is None:
+            continue
+        trees[rel] = tree
+        if _is_test(rel):
+            inv.test_files.append(rel)
+        elif any(rel.startswith(p + "/") for p in inv.packages) and (names := _kernel_names(tree)):
+            inv.kernel_files.append(rel)
+            inv.kernels[rel] = names
+        if re.search(r"(^|/)(bench|benchmarks?)(/|_)|(^|/)bench_\w+\.py$", rel) and not _is_test(rel):
+            inv.bench_files.append(rel)
+        if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
+            inv.references.append(rel)
+    modules = {_module(f, inv.import_root): f for f in inv.kernel_files}
+    broad = max(4, len(modules) // 4)  # `import pkg` names every kernel: it says nothing about what is tested
+    for test in inv.test_files:
+        hit: set[str] = set()
+        for m in _imports(trees[test]):
+            # the module itself, a name from it, or its own package (`from pkg.ops.kda import chunk_kda`);
+            # not an ancestor further up (`import pkg` names every kernel of the package)
+            files = {f for mod, f in modules.items()
+                     if m == mod or m.startswith(mod + ".") or mod.rpartition(".")[0] == m}
+            if len(files) <= broad:
+                hit |= files
+        if hit:
+            inv.kernel_tests[test] = sorted(hit)
+    return inv
+
+
+class _NoAliases(yaml.SafeDumper):
+    def ignore_aliases(self, data) -> bool:  # a person reads this file: every list written out
+        return True
+
+
+def _dirs(files: list[str]) -> list[str]:
+    return sorted({str(pathlib.PurePosixPath(f).parent) for f in files})
+
+
+def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 12) -> str:
+    """The starter manifest's YAML text (validated), with comments for what it could not decide."""
+    probes: list[dict] = []
+    pkg_globs = [f"{p}/**/*.py" for p in inv.packages] or ["**/*.py"]
+    if inv.kernel_files:
+        kernel_dirs = _dirs(inv.kernel_files)
+        covers = {"files": [f"{d}/*.py" for d in kernel_dirs]}
+        probes.append({"id": "static.dot_precision", "kind": "static", "check": "dot_precision",
+                       "description": "every tl.dot in the kernels states its input_precision",
+                       "params": {"paths": kernel_dirs}, "covers": covers, "budget_s": 60})
+        probes.append({"id": "static.kernel_loop_division", "kind": "static", "check": "kernel_loop_division",
+                       "description": "no division inside a kernel's loop", "params": {"paths": kernel_dirs},
+                       "covers": covers, "budget_s": 60,
+                       "thresholds": {"loop_divisions": {"max": _count_divisions(inv)}}})
+    if inv.packages:
+        probes.append({"id": "static.gil_native", "kind": "static", "check": "gil_native",
+                       "description": "no native library loaded so that its calls hold the GIL",
+                       "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60})
+    # the most focused tests first (fewest kernel files each), one per set of kernel files
+    chosen, seen = [], set()
+    for t in sorted(inv.kernel_tests, key=lambda t: (len(inv.kernel_tests[t]), t)):
+        key = tuple(inv.kernel_tests[t])
+        if key not in seen and len(chosen) < max_tests:
+            chosen.append(t)
+            seen.add(key)
+    for test in sorted(chosen):
+        stem = pathlib.PurePosixPath(test).stem.removeprefix("test_").removesuffix("_test")
+        kernels = inv.kernel_tests[test]
+        probes.append({"id": f"tests.{re.sub(r'[^A-Za-z0-9_]', '_', stem)}", "kind": "correctness", "pytest": [test],
+                       "description": f"the repository's own tests of {', '.join(kernels[:3])}",
+                       "covers": {"files": kernels, "symbols": sorted({k for f in kernels for k in inv.kernels[f]})},
+                       "budget_s": 900})
+    ids = [p["id"] for p in probes]
+    for i, pid in enumerate(ids):  # two test files with one stem: keep ids unique
+        if ids.count(pid) > 1:
+            probes[i]["id"] = f"{pid}_{i}"
+    tests_dirs = sorted({pathlib.PurePosixPath(t).parts[0] + "/**" for t in inv.test_files
+                         if len(pathlib.PurePosixPath(t).parts) > 1})
+    data = {"schema_version": 1, "name": name or inv.root.name,
+            "description": f"starter manifest written by `infra-agent init` for {inv.root.name}",
+            "python_path": [inv.import_root], "probes": probes,
+            "protected": sorted(set(tests_dirs + ["**/conftest.py", MANIFEST_NAME] + inv.references))}
+    text = yaml.dump(data, Dumper=_NoAliases, sort_keys=False, width=110)
+    parse_manifest(text)  # what init writes always validates
+    notes = ["# Starter manifest: edit freely, then `infra-agent manifest check`.",
+             f"# found: {len(inv.packages)} package(s), {len(inv.kernel_files)} file(s) with Triton kernels, "
+             f"{len(inv.test_files)} test file(s), {len(inv.bench_files)} benchmark script(s)"]
+    others = [t for t in inv.test_files if t not in chosen]
+    if others:
+        notes.append("# other test files (add a pytest probe for those that judge code you change):")
+        notes += [f"#   {t}" for t in others[:20]]
+        notes += [f"#   ... and {len(others) - 20} more"] if len(others) > 20 else []
+    if inv.bench_files:
+        notes.append("# benchmark scripts (a `command` probe runs one that prints a JSON object of metrics last):")
+        notes += [f"#   {b}" for b in inv.bench_files[:20]]
+    return "\n".join(notes) + "\n" + text
+
+
+def _count_divisions(inv: Inventory) -> int:
+    """Today's count: the starter holds the line (no new division), it does not demand a rewrite."""
+    from feedback.checks import run_check
+
+    return run_check("kernel_loop_division", inv.root, _dirs(inv.kernel_files))[1]

@@ -1,0 +1,187 @@
+"""Built-in static checks (feedback/checks.py) and pytest probes (feedback/junit.py), through the runner.
+
+A small external-looking package, written here, with real Triton kernels and real pytest tests:
+the checks find each site and bind it to its file, line and kernel; the pytest probe runs the
+tree's own tests in a subprocess and binds a failure to the code under test, not the test.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+import pytest
+
+from feedback.checks import CHECKS, run_check
+from feedback.manifest import ManifestError, load_manifest, parse_manifest
+from feedback.models import Status
+from feedback.runner import Runner
+
+KERNELS = '''
+import ctypes
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def merge(a_ptr, b_ptr, o_ptr, N: tl.constexpr):
+    a = tl.load(a_ptr + tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :])
+    b = tl.load(b_ptr + tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :])
+    low = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))  # bf16 operands: exact products, not counted
+    state = tl.zeros([N, N], dtype=tl.float32) + low
+    h = tl.dot(state, b)
+    h = tl.dot(h, b, input_precision="ieee")
+    for i in range(4):
+        h = h / 2.0
+    tl.store(o_ptr + tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :], h)
+
+
+def host_scale(x):
+    return x / 2.0  # a division outside any kernel: not a finding
+
+
+LIB = ctypes.PyDLL(None)
+'''
+
+CORE = '''
+def add(a, b):
+    return a + b + (1 if a > 100 else 0)  # wrong past 100
+
+
+def mean(xs):
+    return sum(xs) / len(xs)  # raises on an empty list
+'''
+
+TESTS = '''
+from pkg.core import add, mean
+
+
+def test_mean_of_nothing_is_zero():
+    assert mean([]) == 0
+
+
+def test_small():
+    assert add(1, 2) == 3
+
+
+def test_large():
+    assert add(200, 1) == 201
+'''
+
+MANIFEST = '''
+schema_version: 1
+name: external
+probes:
+  - {id: x.dots, kind: static, check: dot_precision, params: {paths: [pkg]}, covers: {files: ["pkg/*.py"]}}
+  - {id: x.gil, kind: static, check: gil_native, covers: {files: ["pkg/*.py"]}}
+  - {id: x.div, kind: static, check: kernel_loop_division, params: {paths: [pkg/kernels.py]},
+     covers: {files: ["pkg/*.py"]}}
+  - {id: x.tests, kind: correctness, pytest: ["tests/test_core.py"], covers: {files: ["pkg/*.py"]}}
+  - {id: x.small, kind: correctness, pytest: ["tests/test_core.py::test_small"], covers: {files: ["pkg/*.py"]}}
+  - {id: x.none, kind: correctness, pytest: ["tests/test_core.py::test_missing"], covers: {files: ["pkg/*.py"]}}
+'''
+
+
+def _line(text: str, needle: str) -> int:
+    return next(i for i, ln in enumerate(text.splitlines(), 1) if needle in ln)
+
+
+@pytest.fixture
+def ext(tmp_path) -> pathlib.Path:
+    root = tmp_path / "ext"
+    (root / "pkg").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "kernels.py").write_text(KERNELS)
+    (root / "pkg" / "core.py").write_text(CORE)
+    (root / "pkg" / "broken.py").write_text("def f(:\n")
+    (root / "tests" / "test_core.py").write_text(TESTS)
+    (root / "infra-agent.yaml").write_text(textwrap.dedent(MANIFEST))
+    return root
+
+
+def test_each_check_finds_its_sites_and_binds_them(ext):
+    metric, n, sites = run_check("dot_precision", ext, ["pkg"])
+    assert metric == "implicit_precision" and n == 1
+    dot = _line(KERNELS, "h = tl.dot(state, b)")
+    assert (sites[0].file, sites[0].line, sites[0].symbol) == ("pkg/kernels.py", dot, "merge")
+    assert any(s.file == "pkg/broken.py" and "does not parse" in s.message for s in sites)  # a finding, no crash
+    _, n, sites = run_check("gil_native", ext)
+    assert n == 1 and sites[0].line == _line(KERNELS, "PyDLL") and "PyDLL" in sites[0].message
+    _, n, sites = run_check("kernel_loop_division", ext, ["pkg/kernels.py"])
+    # host_scale's division is not in a kernel: not counted
+    assert n == 1 and sites[0].line == _line(KERNELS, "h = h / 2.0") and sites[0].symbol == "merge"
+    assert run_check("dot_precision", ext, ["pkg"], every=True)[1] == 2  # every dot without a precision
+    with pytest.raises(ValueError, match="leaves the tree"):
+        run_check("dot_precision", ext, ["../elsewhere"])
+    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division"}
+
+
+def test_checks_and_pytest_probes_through_the_runner(ext):
+    manifest = load_manifest(ext)
+    results = {r.probe: r for r in Runner(ext, manifest, use_cache=False, cache_dir=str(ext.parent / "c"))
+               .run(manifest.probes)}
+    dots = results["x.dots"]
+    assert dots.status == Status.failed and dots.metrics["implicit_precision"].value == 1
+    assert dots.findings[0].location.symbol == "merge"
+    assert dots.findings[0].location.condition == f"line {_line(KERNELS, 'h = tl.dot(state, b)')}"
+    assert results["x.gil"].status == Status.failed and results["x.div"].metrics["loop_divisions"].value == 1
+
+    tests = results["x.tests"]
+    assert tests.status == Status.failed, (tests.reason, tests.stderr[-2000:])
+    assert {k: tests.metrics[k].value for k in ("tests", "passed", "failed")} == {"tests": 3, "passed": 1,
+                                                                                  "failed": 2}
+    where = {f.message.split(" failed")[0].rsplit("::", 1)[1]: f.location for f in tests.findings}
+    # an exception raised in the code under test is bound to that code, not to the test that noticed
+    assert (where["test_mean_of_nothing_is_zero"].file, where["test_mean_of_nothing_is_zero"].symbol) == (
+        "pkg/core.py", "mean")
+    assert where["test_mean_of_nothing_is_zero"].condition.startswith(f"line {_line(CORE, 'sum(xs)')}")
+    # a wrong value seen by an assert is bound to the assert
+    assert (where["test_large"].file, where["test_large"].symbol) == ("tests/test_core.py", "test_large")
+    assert any("ZeroDivisionError" in f.message for f in tests.findings)
+    assert results["x.small"].status == Status.passed
+    none = results["x.none"]
+    assert none.status == Status.error and "test_missing" in none.reason
+    assert not (ext / ".pytest_cache").exists()  # nothing of pytest's own left in the user's tree
+
+
+def test_the_manifest_says_what_a_probe_needs(tmp_path):
+    bad = "schema_version: 1\nname: x\nprobes:\n  - {id: a, kind: static, check: %s}\n"
+    with pytest.raises(ManifestError, match="unknown check 'nope'; built in: dot_precision"):
+        parse_manifest(bad % "nope")
+    two = "schema_version: 1\nname: x\nprobes:\n  - {id: a, kind: static, check: gil_native, command: 'true'}\n"
+    with pytest.raises(ManifestError, match="exactly one of entry"):
+        parse_manifest(two)
+    empty = "schema_version: 1\nname: x\nprobes:\n  - {id: a, kind: correctness, pytest: []}\n"
+    with pytest.raises(ManifestError, match="at least one node id"):
+        parse_manifest(empty)
+
+
+def _wheel(tmp: pathlib.Path, spec: str) -> pathlib.Path:
+    """A published wheel's tree (from the package registry; never copied into this project)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    dl = tmp / f"dl-{spec}"
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec, "-d", str(dl)],
+                          capture_output=True, text=True, timeout=300)
+    wheels = sorted(dl.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        pytest.skip(f"the package registry has no {spec} here: {proc.stderr.strip()[-200:]}")
+    out = tmp / spec
+    zipfile.ZipFile(wheels[0]).extractall(out)
+    return out
+
+
+def test_the_fp32_dots_of_flash_linear_attention_before_and_after_its_cp_fix(tmp_path):
+    """fla 0.5.2 left the context-parallel pre-process and merge dots at the default precision;
+    0.6.0 states tf32x3 (ieee on NPUs) for them.  The check finds exactly those, and none after."""
+    before = _wheel(tmp_path, "fla-core==0.5.2")
+    _, n, sites = run_check("dot_precision", before, ["fla/ops/cp"])
+    assert n >= 4, sites
+    assert {s.file for s in sites} == {"fla/ops/cp/chunk_delta_h.py"}
+    assert {s.symbol for s in sites} == {"merge_fwd_bwd_kernel", "pre_process_fwd_kernel_merged",
+                                         "pre_process_bwd_kernel_merged"}
+    after = _wheel(tmp_path, "fla-core==0.6.0")
+    assert run_check("dot_precision", after, ["fla/ops/cp"])[1] == 0

@@ -1,0 +1,132 @@
+"""``infra-agent init`` on a repository nobody here wrote: the starter manifest validates, names the
+kernels' own tests as pytest probes, protects tests and references, and ``feedback`` runs it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import git
+import yaml
+
+from infra_agent.starter import inspect
+
+KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, o_ptr, s, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    acc = tl.zeros([N], dtype=tl.float32)
+    for _ in range(2):
+        acc += tl.load(x_ptr + offs).to(tl.float32) / s
+    tl.store(o_ptr + offs, acc)
+
+
+def scale(x, s):
+    return x * (2.0 / s)
+'''
+
+NAIVE = "def scale_ref(x, s):\n    return x * (2.0 / s)\n"
+TEST_KERNEL = '''
+from mylib.ops.scale import scale
+from mylib.ops.naive import scale_ref
+
+
+def test_scale():
+    assert scale(3.0, 2.0) == scale_ref(3.0, 2.0)
+'''
+TEST_BROAD = "import mylib\n\n\ndef test_import():\n    assert mylib\n"
+
+
+def _repo(root: pathlib.Path) -> pathlib.Path:
+    files = {"src/mylib/__init__.py": "", "src/mylib/ops/__init__.py": "", "src/mylib/ops/scale.py": KERNEL,
+             "src/mylib/ops/naive.py": NAIVE, "tests/test_scale.py": TEST_KERNEL, "tests/test_pkg.py": TEST_BROAD,
+             "benchmarks/bench_scale.py": "print('{}')\n", "pyproject.toml": "[project]\nname = 'mylib'\n"}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    repo = git.Repo.init(root, initial_branch="main")
+    repo.git.add(A=True)
+    repo.index.commit("mylib", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
+    return root
+
+
+def _cli(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infra_agent.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "COLUMNS": "160"})
+
+
+def test_inspect_finds_the_layout_the_kernels_and_their_tests(tmp_path):
+    inv = inspect(_repo(tmp_path / "mylib"))
+    assert inv.import_root == "src" and inv.packages == ["src/mylib"]
+    assert inv.kernels == {"src/mylib/ops/scale.py": ["scale_kernel"]}
+    assert inv.kernel_tests == {"tests/test_scale.py": ["src/mylib/ops/scale.py"]}  # `import mylib` says nothing
+    assert inv.references == ["src/mylib/ops/naive.py"] and inv.bench_files == ["benchmarks/bench_scale.py"]
+
+
+def test_init_writes_a_manifest_that_checks_and_runs(tmp_path):
+    root = _repo(tmp_path / "mylib")
+    out = _cli("init", str(root), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "pytest probe" in out.stdout and "infra-agent manifest check" in out.stdout
+    text = (root / "infra-agent.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert data["python_path"] == ["src"]
+    probes = {p["id"]: p for p in data["probes"]}
+    assert probes["tests.scale"]["pytest"] == ["tests/test_scale.py"]
+    assert probes["tests.scale"]["covers"]["files"] == ["src/mylib/ops/scale.py"]
+    assert {"tests/**", "src/mylib/ops/naive.py", "infra-agent.yaml"} <= set(data["protected"])
+    assert "benchmarks/bench_scale.py" in text and "tests/test_pkg.py" in text  # listed for the user, as comments
+    again = _cli("init", str(root), cwd=tmp_path)
+    assert again.returncode == 2 and "--force overwrites it" in again.stderr
+    check = _cli("manifest", "check", str(root), cwd=tmp_path)
+    assert check.returncode == 0 and "warning" not in check.stderr, check.stderr
+    fb = _cli("feedback", "--target", str(root), "--all", "--json", "--no-cache", cwd=tmp_path)
+    report = json.loads(fb.stdout)
+    results = {r["probe"]: r for r in report["results"]}
+    assert results["tests.scale"]["status"] == "pass", results["tests.scale"]
+    assert results["static.dot_precision"]["status"] == "pass"  # no tl.dot at all
+    # the division in the kernel's loop is today's count: the starter holds the line, it does not fail
+    assert results["static.kernel_loop_division"]["metrics"]["loop_divisions"]["value"] == 1
+    assert results["static.kernel_loop_division"]["status"] == "pass"
+
+
+def test_manifest_check_names_what_the_manifest_points_at_that_is_missing(tmp_path):
+    root = _repo(tmp_path / "mylib")
+    (root / "infra-agent.yaml").write_text(
+        "schema_version: 1\nname: m\nprobes:\n"
+        "  - {id: a, kind: correctness, pytest: [tests/test_gone.py], covers: {files: ['src/nothing/*.py']}}\n"
+        "  - {id: b, kind: static, check: gil_native, params: {paths: [lib]}}\n")
+    out = _cli("manifest", "check", str(root), cwd=tmp_path)
+    assert out.returncode == 0 and "2 probes" in out.stdout
+    for expected in ("a: covers.files 'src/nothing/*.py' matches no file", "a: pytest 'tests/test_gone.py': no such",
+                     "b: check path 'lib' does not exist"):
+        assert expected in out.stderr, out.stderr
+    outside = tmp_path / "judges" / "m.yaml"
+    outside.parent.mkdir()
+    outside.write_text("schema_version: 1\nname: outside\nprobes: []\n")
+    out = _cli("manifest", "check", str(root), "--manifest", str(outside), cwd=tmp_path)
+    assert out.returncode == 0 and "outside, 0 probes" in out.stdout
+
+
+def test_a_manifest_outside_the_tree_judges_it_and_nothing_is_written_in_it(tmp_path):
+    root = _repo(tmp_path / "mylib")
+    judges = tmp_path / "judges" / "mylib.yaml"
+    out = _cli("init", str(root), "--manifest", str(judges), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert judges.is_file() and not (root / "infra-agent.yaml").exists()
+    assert f"--manifest {judges}" in out.stdout.replace("\n", "")
+    (root / "src" / "mylib" / "ops" / "naive.py").write_text("def scale_ref(x, s):\n    return x * (3.0 / s)\n")
+    fb = _cli("feedback", "--target", str(root), "--manifest", str(judges), "--probe", "tests.scale", "--json",
+              cwd=tmp_path)
+    report = json.loads(fb.stdout)
+    (res,) = report["results"]
+    assert fb.returncode == 1 and res["status"] == "fail"  # the reference changed: the test fails, localised
+    assert "test_scale failed" in res["findings"][0]["message"]
+    missing = _cli("feedback", "--target", str(root), "--manifest", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
