@@ -102,32 +102,41 @@ def _fp32_expr(node: ast.AST, fp32: set[str]) -> bool:
     return False
 
 
-def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
-    """fp32 ``tl.dot`` calls without an explicit ``input_precision`` (``every``: any dot without one).
+def implicit_dots(fn: ast.FunctionDef, every: bool = False) -> Iterator[ast.Call]:
+    """The ``tl.dot`` calls of kernel ``fn`` with an fp32 operand and no stated precision (``every``: any
+    dot without one).  Which local names hold fp32 is followed through the kernel in source order: each
+    dot is judged by the assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
+    events = []
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            events.append(((node.end_lineno, node.end_col_offset, 1), node))
+        elif isinstance(node, ast.Call) and _name(node.func) in ("tl.dot", "triton.language.dot"):
+            events.append(((node.lineno, node.col_offset, 0), node))
+    fp32: set[str] = set()
+    for _, node in sorted(events, key=lambda e: e[0]):
+        if isinstance(node, ast.Call):
+            if not {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"} and \
+                    (every or any(_fp32_expr(a, fp32) for a in node.args[:2])):
+                yield node
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        is32 = _fp32_expr(node.value, fp32) or (isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32))
+        for t in targets:
+            if isinstance(t, ast.Name):
+                (fp32.add if is32 else fp32.discard)(t.id)
 
-    Which local names hold fp32 is followed through the kernel in source order: each dot is judged by
-    the assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
-    for fn in filter(_is_kernel, _functions(tree)):
-        events = []
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
-                events.append(((node.end_lineno, node.end_col_offset, 1), node))
-            elif isinstance(node, ast.Call) and _name(node.func) in ("tl.dot", "triton.language.dot"):
-                events.append(((node.lineno, node.col_offset, 0), node))
-        fp32: set[str] = set()
-        for _, node in sorted(events, key=lambda e: e[0]):
-            if isinstance(node, ast.Call):
-                if {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"}:
-                    continue
-                if every or any(_fp32_expr(a, fp32) for a in node.args[:2]):
-                    yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
-                               "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
-                continue
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            is32 = _fp32_expr(node.value, fp32) or (isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32))
-            for t in targets:
-                if isinstance(t, ast.Name):
-                    (fp32.add if is32 else fp32.discard)(t.id)
+
+def kernels(tree: ast.AST) -> Iterator[ast.FunctionDef]:
+    """The ``@triton.jit`` (or autotuned, heuristics-wrapped) functions of a module."""
+    return filter(_is_kernel, _functions(tree))
+
+
+def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
+    """fp32 ``tl.dot`` calls without an explicit ``input_precision`` (:func:`implicit_dots`)."""
+    for fn in kernels(tree):
+        for node in implicit_dots(fn, every):
+            yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
+                       "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
 
 
 def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:

@@ -14,7 +14,7 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 MANIFEST_NAME = "infra-agent.yaml"
 KINDS = ("static", "correctness", "microbench", "trace", "events", "e2e")
@@ -152,6 +152,20 @@ class Manifest(BaseModel):
     acceptance: list[Criterion] = Field(default_factory=list)
     risk: list[RiskRule] = Field(default_factory=list)
     protected: list[str] = Field(default_factory=list, description="path globs no patch may touch")
+    probe_path: list[str] = Field(default_factory=list, description="folders, relative to the manifest file, of "
+                                  "probe modules kept outside the target (first on the probes' import path, so no "
+                                  "file of the tree can stand in for them)")
+    _source: str | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> pathlib.Path | None:
+        """The file this manifest was read from, when it was read from one."""
+        return pathlib.Path(self._source) if self._source else None
+
+    def probe_roots(self) -> list[pathlib.Path]:
+        """``probe_path`` as absolute folders (relative to the manifest's own folder)."""
+        base = self.source.parent if self.source else pathlib.Path.cwd()
+        return [(base / p).resolve() for p in self.probe_path]
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -232,7 +246,10 @@ def parse_manifest(text: str, source: str = MANIFEST_NAME) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError(f"{source}:1: the manifest must be a mapping with name and probes")
     try:
-        return Manifest.model_validate(data)
+        manifest = Manifest.model_validate(data)
+        if source != MANIFEST_NAME or pathlib.Path(source).is_file():
+            manifest._source = str(pathlib.Path(source).resolve())
+        return manifest
     except ValidationError as exc:
         lines = _line_map(text)
         msgs = []
@@ -244,8 +261,13 @@ def parse_manifest(text: str, source: str = MANIFEST_NAME) -> Manifest:
         raise ManifestError("; ".join(msgs)) from None
 
 
-def load_manifest(root: str | pathlib.Path) -> Manifest:
-    """Load and validate ``<root>/infra-agent.yaml``."""
+def load_manifest(root: str | pathlib.Path, file: str | pathlib.Path | None = None) -> Manifest:
+    """Load and validate ``<root>/infra-agent.yaml``, or ``file`` (a manifest kept outside the tree)."""
+    if file is not None:
+        path = pathlib.Path(file)
+        if not path.is_file():
+            raise ManifestError(f"{path}: no such manifest file")
+        return parse_manifest(path.read_text(), str(path))
     path = pathlib.Path(root) / MANIFEST_NAME
     if not path.is_file():
         raise ManifestError(f"{path}: no manifest (a target declares its probes in {MANIFEST_NAME} at its root)")

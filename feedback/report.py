@@ -35,6 +35,11 @@ def localise(spec: ProbeSpec, result: ProbeResult) -> list[str]:
 def content_hashes(tree: pathlib.Path, manifest: Manifest, specs: list[ProbeSpec]) -> dict[str, str]:
     """sha256 of the manifest, the protected files (probes, references, tests) and probe modules."""
     files: set[pathlib.Path] = {tree / "infra-agent.yaml"}
+    outside = manifest.source is not None and not manifest.source.is_relative_to(tree.resolve())
+    if outside:  # a manifest kept outside the tree, and its probe modules: the judges, wherever they live
+        files.add(manifest.source)
+        for root in manifest.probe_roots():
+            files.update(p for p in root.rglob("*.py"))
     for pat in manifest.protected:
         files.update(p for p in tree.glob(pat) if p.is_file())
     for s in specs:
@@ -44,7 +49,13 @@ def content_hashes(tree: pathlib.Path, manifest: Manifest, specs: list[ProbeSpec
                 cand = tree / root / f"{mod}.py"
                 if cand.is_file():
                     files.add(cand)
-    return {str(p.relative_to(tree)): hashlib.sha256(p.read_bytes()).hexdigest()
+    def name(p: pathlib.Path) -> str:  # tree files by their path in the tree; the manifest's by theirs beside it
+        if p.is_relative_to(tree):
+            return p.relative_to(tree).as_posix()
+        home = manifest.source.parent
+        return "@manifest/" + (p.relative_to(home).as_posix() if p.is_relative_to(home) else str(p))
+
+    return {name(p): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(files) if p.is_file() and "__pycache__" not in p.parts}
 
 

@@ -107,8 +107,8 @@ class Runner:
                 files.add(test)
         if spec.entry:
             module = spec.entry.split(":")[0].replace(".", "/")
-            for root in self.manifest.python_path:
-                for cand in (self.tree / root / f"{module}.py", self.tree / root / module / "__init__.py"):
+            for root in [*self.manifest.probe_roots(), *(self.tree / r for r in self.manifest.python_path)]:
+                for cand in (root / f"{module}.py", root / module / "__init__.py"):
                     if cand.is_file():
                         files.add(cand)
         return sorted(files)
@@ -119,7 +119,7 @@ class Runner:
         h.update(self.env_key.encode())
         h.update(str(self.extra_env).encode())
         for f in self.covered_files(spec):
-            h.update(str(f.relative_to(self.tree)).encode())
+            h.update(str(f.relative_to(self.tree) if f.is_relative_to(self.tree) else f).encode())
             h.update(hashlib.sha256(f.read_bytes()).digest())
         return h.hexdigest()
 
@@ -145,8 +145,10 @@ class Runner:
         # it prints ends up in results and records
         env = {k: v for k, v in os.environ.items() if not _SECRET_VAR.search(k)}
         roots = [str(self.tree / r) for r in self.manifest.python_path]
-        # the tree's import roots first; the harness after, for feedback.* itself
-        env["PYTHONPATH"] = os.pathsep.join(roots + [str(HARNESS_ROOT)] +
+        # probe modules kept outside the tree first (nothing in the tree can stand in for them), then the
+        # tree's import roots, then the harness, for feedback.* itself
+        probes = [str(r) for r in self.manifest.probe_roots()]
+        env["PYTHONPATH"] = os.pathsep.join(probes + roots + [str(HARNESS_ROOT)] +
                                             ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
@@ -284,7 +286,8 @@ class Runner:
             req, out = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
             armed = spec.kind in ARMED_KINDS
             req.write_text(json.dumps({"probe": spec.id, "entry": spec.entry, "params": spec.params,
-                                       "tree": str(self.tree), "arm": armed}))
+                                       "tree": str(self.tree), "arm": armed,
+                                       "probe_roots": [str(r) for r in self.manifest.probe_roots()]}))
             stamps: list[tuple[float, str]] = []
             rc, stdout, stderr, secs, timed_out = self._spawn(
                 spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False, stamps=stamps)

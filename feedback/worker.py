@@ -1,7 +1,8 @@
 """The process a Python probe runs in: ``python -m feedback.worker REQUEST.json RESULT.json``.
 
-The runner starts it with the tree under test first on PYTHONPATH, so ``entry`` is imported from
-that tree, never from an installed copy; the worker checks this and refuses otherwise.  The
+The runner starts it with the tree under test first on PYTHONPATH (after the manifest's own
+``probe_path``, for probes kept outside the tree), so ``entry`` is imported from there, never from
+an installed copy; the worker checks this and refuses otherwise.  The
 result is written atomically; whatever the probe prints goes to the runner's captured output.
 """
 
@@ -54,8 +55,10 @@ def main(argv: list[str]) -> int:
         module_name, func_name = request["entry"].split(":")
         module = importlib.import_module(module_name)
         origin = pathlib.Path(getattr(module, "__file__", "") or "").resolve()
-        if tree not in origin.parents:
-            raise RuntimeError(f"{module_name} was imported from {origin}, outside the tree under test {tree}")
+        allowed = [tree, *(pathlib.Path(r) for r in request.get("probe_roots", []))]
+        if not any(root in origin.parents for root in allowed):
+            raise RuntimeError(f"{module_name} was imported from {origin}, outside the tree under test {tree}"
+                               + (" and the manifest's probe_path" if len(allowed) > 1 else ""))
         fn = getattr(module, func_name)
         returned = fn(ctx)
         if isinstance(returned, dict):

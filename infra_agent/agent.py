@@ -110,7 +110,7 @@ class Agent:
         base = self.ws.baseline()
         self.emit("judging", {"what": "baseline", "tree": str(base.path)})
         report = judge(base.path, jobs=self.jobs, run_all=True, label=f"baseline {base.base[:10]}",
-                       cache_dir=self.cache_dir)
+                       cache_dir=self.cache_dir, manifest=self.ws.judges())
         self.emit("feedback", {"report": report})
         return report
 
@@ -262,8 +262,10 @@ class Agent:
             return f"patch invalid: {exc}"
         self.emit("judging", {"what": cand.name, "files": patch.paths})
         base = self.ws.baseline()
+        judges = self.ws.judges()
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
-                       label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True)
+                       label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True,
+                       manifest=judges, baseline_manifest=judges)
         record.report = report
         judgement = report.verdict or verdict(report)
         record.verdict, record.reason = judgement.name, judgement.reason

@@ -523,6 +523,8 @@ def run(
     time_limit: float = typer.Option(1800.0, "--time-limit", min=1.0, help="seconds"),
     jobs: int = typer.Option(2, "--jobs", "-j", min=1),
     as_json: bool = typer.Option(False, "--json", help="print the session summary as JSON"),
+    manifest_file: str = typer.Option(None, "--manifest", help="with --target: judge by this manifest, kept outside "
+                                                               "the target (the agent can then not even see it)"),
     resume: str = typer.Option(None, "--resume", metavar="SESSION",
                                help="go on with a session that was killed or stopped (`infra-agent sessions list`): "
                                     "its branch, attempts and conversation; --max-steps more steps"),
@@ -551,6 +553,8 @@ def run(
         fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if target and scenario:
         fail("--scenario applies to the bundled target; an external target carries its own history")
+    if manifest_file and not target:
+        fail("--manifest names the judges of an external target: give --target too")
     try:
         chosen = resolve(scenario) if scenario else [None]
     except ScenarioError as exc:
@@ -559,7 +563,8 @@ def run(
     for n, sc in enumerate(chosen, 1):
         session = new_session_id()
         try:
-            ws = (GitWorkspace.external(pathlib.Path(target), session) if target
+            ws = (GitWorkspace.external(pathlib.Path(target), session,
+                                        pathlib.Path(manifest_file) if manifest_file else None) if target
                   else GitWorkspace.bundled(session, scenario=sc.name if sc else None))
             be = make_backend(backend, ws, model=model, base_url=base_url, trajectory=trajectory)
         except ValueError as exc:

@@ -78,6 +78,8 @@ class ExperimentRecord(BaseModel):
     model: str | None = None
     # the session's trajectory, relative to the state folder (.infra-agent/) of the machine that ran it
     trajectory: str | None = None
+    # the manifest that judged it, when it was kept outside the target (replay judges by it again)
+    manifest: str | None = None
 
 
 class RecordError(Exception):
@@ -156,7 +158,8 @@ def attempt_record(attempt: Attempt, ws: Workspace, base_commit: str, backend: s
         verdict=attempt.verdict,
         decision=Decision(status=status, reason=attempt.reason, review_item=attempt.review_id,
                           commit=attempt.commit, branch=attempt.branch),
-        backend=backend, model=model, trajectory=ws.state.relative(trajectory))
+        backend=backend, model=model, trajectory=ws.state.relative(trajectory),
+        manifest=str(ws.manifest_file) if getattr(ws, "manifest_file", None) else None)
 
 
 def new_id(session: str, step: int) -> str:
@@ -221,7 +224,7 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
         try:
             tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree")
             _git_apply(tree, rec.diff, "diff")
-            manifest = load_manifest(tree)
+            manifest = load_manifest(tree, rec.manifest)
         except Exception as exc:  # noqa: BLE001 - RecordError, ManifestError, OSError: the record is stale
             return ReplayResult(record=rec.id, path=str(path), status="stale", reason=str(exc),
                                 duration_s=time.perf_counter() - t0)
@@ -237,16 +240,18 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
         by_status = [p.id for p in rec.probes if p.id not in perf]
         results, side_by_side, judges, confirmations = [], None, {}, []
         if by_status:
-            report = judge(tree, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False)
+            report = judge(tree, manifest=manifest, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False)
             results, judges = report.results, {**report.hashes}
         if perf:
             base = rebuild_base(rec.base, pathlib.Path(tmp) / "base")
-            report = judge(tree, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
-                           baseline_label="the record's base")
+            report = judge(tree, manifest=manifest, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False,
+                           baseline_tree=base, baseline_label="the record's base",
+                           baseline_manifest=manifest if rec.manifest else None)
             results, side_by_side, judges = results + report.results, report.comparisons, {**judges, **report.hashes}
             side_by_side, confirmations = _confirm(report.comparisons, lambda ids: judge(
-                tree, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
-                baseline_label="the record's base (second run)").comparisons)
+                tree, manifest=manifest, probe_ids=ids, run_all=True, jobs=jobs, use_cache=False, baseline_tree=base,
+                baseline_label="the record's base (second run)",
+                baseline_manifest=manifest if rec.manifest else None).comparisons)
     regressed, details = replay_regressions([(p.kind, p.result) for p in rec.probes], results,
                                             evaluate_acceptance(manifest, results) if results else [],
                                             against_base=side_by_side,

@@ -241,6 +241,17 @@ def _remove_merge_worktrees(repo_dir: str) -> None:
     repo.git.worktree("prune")
 
 
+def _session_manifest(queue: ReviewQueue, item: Item) -> str | None:
+    """The manifest kept outside the target that the item's session was judged by (its session.json), if any."""
+    from feedback.state import StateDir
+
+    meta = StateDir(queue.path.parent).session(item.session) / "session.json"
+    try:
+        return json.loads(meta.read_text()).get("manifest")
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -289,10 +300,11 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
                                  "GIT_COMMITTER_NAME": ACTOR.name, "GIT_COMMITTER_EMAIL": ACTOR.email})
             except git.GitCommandError as exc:
                 return back_to_pending(f"merge failed, nothing changed: {str(exc).splitlines()[-1]}")
-            known = {p.id for p in load_manifest(wt).probes}
+            manifest = load_manifest(wt, _session_manifest(queue, item))
+            known = {p.id for p in manifest.probes}
             probes = [p for p in item.validation if p in known]
             if probes:
-                report = judge(wt, probe_ids=probes, run_all=True, jobs=jobs)
+                report = judge(wt, manifest=manifest, probe_ids=probes, run_all=True, jobs=jobs)
                 if not report.passed:
                     bad = ", ".join(r.probe for r in report.results if not r.ok)
                     return back_to_pending(f"validation failed on the merged tree ({bad}); merge undone")

@@ -98,9 +98,14 @@ def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str |
                 names += [f"{names[0]}.{a.name}" for a in node.names]  # from . import naive
             else:
                 names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            probe_modules = {f.stem for r in manifest.probe_roots() for f in r.glob("*.py")} | \
+                {d.name for r in manifest.probe_roots() for d in r.iterdir() if (d / "__init__.py").is_file()} \
+                if manifest.probe_path else set()
             for name in names:
                 if name.split(".")[0] in HARNESS_PACKAGES:
                     return at(node, f"imports the harness ({name})")
+                if name.split(".")[0] in probe_modules:
+                    return at(node, f"imports {name}, a probe module of the manifest's probe_path (the judges)")
                 for candidate in _module_file(name):
                     if (pat := manifest.is_protected(candidate)) is not None:
                         return at(node, f"imports {name}, a protected module ({pat}): the judges' own code")

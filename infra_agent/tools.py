@@ -125,7 +125,8 @@ class Environment:
             return list_files(tree, a.get("dir", "."))
         if action.name == "run_probes":
             try:
-                report = judge(tree, probe_ids=a["ids"], jobs=self.jobs, run_all=True, cache_dir=self.cache_dir)
+                report = judge(tree, probe_ids=a["ids"], jobs=self.jobs, run_all=True, cache_dir=self.cache_dir,
+                               manifest=self.ws.judges())
             except ValueError as exc:
                 return f"error: {exc}"
             return render_report(report)

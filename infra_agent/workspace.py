@@ -55,6 +55,7 @@ class GitWorkspace:
         self._baseline: Candidate | None = None
         self._n = 0
         self.scenario: str | None = None
+        self.manifest_file: pathlib.Path | None = None  # a manifest kept outside the tree (--manifest)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -93,10 +94,16 @@ class GitWorkspace:
         return {"kind": "git", "repo": str(self.root), "commit": commit}
 
     @classmethod
-    def external(cls, target: pathlib.Path, session: str) -> GitWorkspace:
+    def external(cls, target: pathlib.Path, session: str, manifest_file: pathlib.Path | None = None) -> GitWorkspace:
+        """A session on the user's repository ``target``, judged by its own manifest or by ``manifest_file``."""
         target = target.resolve()
-        if not (target / MANIFEST_NAME).is_file():
-            raise ValueError(f"{target} has no {MANIFEST_NAME}")
+        if manifest_file is not None:
+            manifest_file = pathlib.Path(manifest_file).resolve()
+            if not manifest_file.is_file():
+                raise ValueError(f"--manifest {manifest_file}: no such file")
+        elif not (target / MANIFEST_NAME).is_file():
+            raise ValueError(f"{target} has no {MANIFEST_NAME} (write one with `infra-agent init {target}`, "
+                             "or name one kept elsewhere with --manifest FILE)")
         try:
             repo = git.Repo(target)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
@@ -104,6 +111,7 @@ class GitWorkspace:
         if not repo.head.is_valid():
             raise ValueError(f"{target} has no commits yet")
         ws = cls(target, session, StateDir.of(target), str(target))
+        ws.manifest_file = manifest_file
         ws._write_meta()
         return ws
 
@@ -111,7 +119,8 @@ class GitWorkspace:
         if not (self.state_dir / "session.json").exists():
             self.update_meta(session=self.session, target=self.target_label, repo=str(self.repo.working_tree_dir),
                              branch=self.branch, started=_dt.datetime.now().isoformat(timespec="seconds"),
-                             base=self.head(), scenario=self.scenario)
+                             base=self.head(), scenario=self.scenario,
+                             manifest=str(self.manifest_file) if self.manifest_file else None)
 
     def meta(self) -> dict:
         """The session's ``session.json`` (what ``--resume`` rebuilds it from)."""
@@ -137,7 +146,8 @@ class GitWorkspace:
         if meta.get("target", "").startswith("bundled:"):
             ws = cls.bundled(session, state=state, scenario=meta.get("scenario"))
         else:
-            ws = cls.external(pathlib.Path(meta["repo"]), session)
+            ws = cls.external(pathlib.Path(meta["repo"]), session,
+                              pathlib.Path(meta["manifest"]) if meta.get("manifest") else None)
         ws.close()
         names = [h.name for h in ws.repo.heads if h.name.startswith(f"{ws.branch}-candidate-")]
         used = [int(n.rsplit("-", 1)[1]) for n in names if n.rsplit("-", 1)[1].isdigit()]
@@ -154,7 +164,12 @@ class GitWorkspace:
         return self.repo.heads[self.branch].commit.hexsha
 
     def manifest(self) -> Manifest:
-        return load_manifest(self.baseline().path)
+        return load_manifest(self.baseline().path, self.manifest_file)
+
+    def judges(self) -> Manifest | None:
+        """The manifest to judge every tree of the session by, when it is kept outside them (else None:
+        each tree is judged by its own, which patches cannot touch)."""
+        return load_manifest(self.root, self.manifest_file) if self.manifest_file else None
 
     def _add_worktree(self, name: str, commit: str) -> pathlib.Path:
         path = self.worktrees / name

@@ -208,12 +208,25 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path) -> 
             return Applicability(playbook=pb.id, applies=False, evidence=evidence,
                                  reason="declined: none of " + "; ".join(_describe(p, report) for p in sig.any_of))
         evidence += found
-    matches = [m for pat in pb.applicability.code for m in _match_code(pat, tree)]
+    matches = _where_pointed([m for pat in pb.applicability.code for m in _match_code(pat, tree)], report)
     if pb.applicability.code and not matches:
         return Applicability(playbook=pb.id, applies=False, evidence=evidence,
                              reason="declined: the feedback fits but no code pattern matches in the target")
     return Applicability(playbook=pb.id, applies=True, evidence=evidence, code_matches=matches,
                          reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""))
+
+
+def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[CodeMatch]:
+    """The code matches in the files the failing probes' findings point at, when some are; else all.
+
+    A pattern such as "a dot without a precision" matches all over a large repository; the feedback
+    says which file is at fault, and the change belongs there."""
+    pointed = {part.strip() for r in report.results if r.status.value == "fail" for f in r.findings
+               if f.location.file for part in f.location.file.split(",") if part.strip()}
+    if not pointed:
+        return matches
+    near = [m for m in matches if any(fnmatch.fnmatchcase(m.file, pat) for pat in pointed)]
+    return near or matches
 
 
 def _describe(pred: Predicate, report: FeedbackReport | None = None) -> str:

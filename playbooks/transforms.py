@@ -18,13 +18,40 @@ def _files(matches: list[CodeMatch]) -> list[str]:
     return sorted({m.file for m in matches})
 
 
-def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
-    """Give every ``tl.dot`` without ``input_precision`` an explicit one.
+PRECISION_CONSTANT = "FP32_DOT_PRECISION"
 
-    Inside a kernel that already takes a precision parameter (a constexpr whose name ends in
-    PRECISION), that parameter is used: the host resolves it (tf32x3 where tf32 exists, ieee
-    elsewhere).  Otherwise the ``precision`` knob is written literally.
+
+def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str) -> tuple[str, int]:
+    """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` where
+    tf32 tensor cores exist: NVIDIA, compute capability 8.0 or newer; ``fallback`` elsewhere), and the
+    number of characters inserted before the first line that follows the imports."""
+    imports = [n for n in mod.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    has_torch = any(isinstance(n, ast.Import) and any(a.name == "torch" and not a.asname for a in n.names)
+                    for n in imports)
+    after = max((n.end_lineno for n in imports), default=0)
+    lines = src.splitlines(keepends=True)
+    block = ("" if has_torch else "import torch\n") + (
+        f"\n# fp32 dot chains: {precision} where tf32 tensor cores exist (NVIDIA, compute capability >= 8.0), "
+        f"{fallback} elsewhere\n"
+        f"{PRECISION_CONSTANT} = tl.constexpr(\n"
+        f"    {precision!r} if torch.cuda.is_available() and torch.version.hip is None\n"
+        f"    and torch.cuda.get_device_capability()[0] >= 8 else {fallback!r})\n")
+    head = "".join(lines[:after])
+    return head + block + "".join(lines[after:]), len(block)
+
+
+def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
+    """Give the fp32 ``tl.dot`` calls without ``input_precision`` an explicit one.
+
+    Which dots: those with an fp32 operand (``feedback.checks.implicit_dots``: bf16 and fp16 dots are
+    exact in their fp32 accumulation and are left alone); in a file where none is provably fp32, the
+    precision-less dots on the matched lines.  What precision: inside a kernel that takes a precision
+    parameter (a constexpr whose name ends in PRECISION), that parameter, which the host resolves;
+    otherwise a module-level constexpr, ``precision`` (tf32x3) where tf32 tensor cores exist and
+    ``fallback`` (ieee) elsewhere, never a hard-coded tf32.
     """
+    from feedback.checks import implicit_dots, kernels
+
     changed = []
     for rel in _files(matches):
         path = tree / rel
@@ -34,22 +61,27 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
         offsets = [0]
         for ln in lines:
             offsets.append(offsets[-1] + len(ln))
+        matched = {m.line for m in matches if m.file == rel}
+        chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn)]
+        if not chosen:
+            chosen = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn, every=True) if d.lineno in matched]
         edits: list[tuple[int, str]] = []
-        for fn in [n for n in ast.walk(mod) if isinstance(n, ast.FunctionDef)]:
+        constant = False
+        for fn, node in chosen:
             params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
             prec = next((p for p in params if p.upper().endswith("PRECISION")), None)
-            value = prec if prec else repr(knobs.get("precision", "tf32x3"))
-            for node in ast.walk(fn):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dot"
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl"
-                        and not any(kw.arg == "input_precision" for kw in node.keywords)):
-                    end = offsets[node.end_lineno - 1] + node.end_col_offset - 1  # the closing parenthesis
-                    edits.append((end, f", input_precision={value}"))
-        if edits:
-            for pos, text in sorted(set(edits), reverse=True):
-                src = src[:pos] + text + src[pos:]
-            path.write_text(src)
-            changed.append(rel)
+            constant |= prec is None
+            end = offsets[node.end_lineno - 1] + node.end_col_offset - 1  # the closing parenthesis
+            edits.append((end, f", input_precision={prec or PRECISION_CONSTANT}"))
+        if not edits:
+            continue
+        for pos, text in sorted(set(edits), reverse=True):
+            src = src[:pos] + text + src[pos:]
+        if constant and PRECISION_CONSTANT not in {t.id for n in mod.body if isinstance(n, ast.Assign)
+                                                   for t in n.targets if isinstance(t, ast.Name)}:
+            src, _ = _precision_constant(src, mod, knobs.get("precision", "tf32x3"), knobs.get("fallback", "ieee"))
+        path.write_text(src)
+        changed.append(rel)
     return changed
 
 

@@ -75,3 +75,19 @@ def test_ordinary_edits_of_the_same_file_are_not_refused(tmp_path, text):
     diff, root = bundled_diff(tmp_path, add_after_anchor(text))
     result = assess_text(diff, load_manifest(root), tree=root)
     assert result.decision in ("clean", "held"), result
+
+
+def test_importing_a_probe_module_kept_beside_an_outside_manifest_is_refused(tmp_path):
+    """With the judges outside the tree (``probe_path``), a patch that imports them is refused too."""
+    from feedback.manifest import parse_manifest
+
+    judges = tmp_path / "judges"
+    judges.mkdir()
+    (judges / "my_probes.py").write_text("def check(ctx):\n    pass\n")
+    (judges / "m.yaml").write_text("schema_version: 1\nname: outside\nprobe_path: ['.']\nprobes:\n"
+                                   "  - {id: p, kind: correctness, entry: 'my_probes:check'}\n")
+    manifest = parse_manifest((judges / "m.yaml").read_text(), str(judges / "m.yaml"))
+    assert manifest.probe_roots() == [judges.resolve()]
+    diff, root = bundled_diff(tmp_path / "t", add_after_anchor("import my_probes as _judge\n"))
+    res = assess_text(diff, manifest, tree=root)
+    assert res.decision == "refused" and "a probe module of the manifest's probe_path" in (res.refused or "")

@@ -208,14 +208,35 @@ def test_tf32x3_playbook_fixes_an_implicit_tf32_merge_in_the_bundled_target(tmp_
     assert all(r.status == Status.passed for r in fixed.results), [r.reason for r in fixed.results]
 
 
-def test_state_dot_precision_uses_a_literal_without_a_precision_parameter(tmp_path):
-    t = tree(tmp_path, {"k.py": "def kern(a, b, N):\n    return tl.dot(a,\n                  b)\n"})
+KERNEL_WITHOUT_PARAM = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def kern(a_ptr, b_ptr, N: tl.constexpr):
+    a = tl.load(a_ptr + tl.arange(0, N))
+    b = tl.load(b_ptr + tl.arange(0, N))
+    h = tl.zeros([N, N], dtype=tl.float32)
+    h = tl.dot(h,
+               b)
+    low = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return h + low
+"""
+
+
+def test_state_dot_precision_states_fp32_dots_with_a_constant_and_its_fallback(tmp_path):
+    t = tree(tmp_path, {"k.py": KERNEL_WITHOUT_PARAM})
     app = evaluate(LIB["tf32x3-fp32-dot-chains"], report(finding("s", "tl.dot without input_precision")), t)
     assert app.applies, app.reason
     assert run_transform(LIB["tf32x3-fp32-dot-chains"], t, app) == ["k.py"]
     src = (t / "k.py").read_text()
-    assert "b, input_precision='tf32x3')" in src
+    assert "b, input_precision=FP32_DOT_PRECISION)" in src  # the fp32 chain, by the module's constant
+    assert "tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))" in src  # bf16 products are exact: left alone
+    assert "'tf32x3' if torch.cuda.is_available()" in src and "else 'ieee')" in src and "import torch" in src
     compile(src, "k.py", "exec")
+    namespace: dict = {}
+    exec(compile(src.split("@triton.jit")[0], "k.py", "exec"), namespace)  # the constant resolves here
+    assert namespace["FP32_DOT_PRECISION"].value in ("tf32x3", "ieee")
 
 
 def test_playbooks_cli(tmp_path):

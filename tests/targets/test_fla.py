@@ -1,0 +1,79 @@
+"""The first external target, end to end on the CPU: flash-linear-attention 0.5.2 (before its CP tf32x3
+fix), prepared from the registry's wheel, judged by the manifest and probes in targets/fla/ (outside
+the tree), fixed by the offline agent, held as numerics, approved, and the error gone after.
+
+fla's own repository tests for context parallelism need several GPUs and are not in the wheel: what
+runs here is fla's own merge kernel, in Triton's interpreter under the tf32 emulation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import git
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MANIFEST = ROOT / "targets" / "fla" / "infra-agent.yaml"
+sys.path.insert(0, str(ROOT / "targets" / "fla"))
+
+from prepare import prepare  # noqa: E402
+
+
+def _cli(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ZAI_API_KEY")}
+    return subprocess.run([sys.executable, "-m", "infra_agent.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, env={**env, "COLUMNS": "160"})
+
+
+@pytest.fixture
+def fla_052(tmp_path) -> pathlib.Path:
+    try:
+        return prepare("0.5.2", tmp_path / "fla")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+def test_fla_0_5_2_is_found_fixed_held_approved_and_holds(fla_052, tmp_path):
+    before = _cli("feedback", "--target", str(fla_052), "--manifest", str(MANIFEST), "--all", "--json", cwd=tmp_path)
+    report = json.loads(before.stdout)
+    results = {r["probe"]: r for r in report["results"]}
+    assert before.returncode == 1
+    dots = results["fla.static.cp_dots"]
+    assert dots["metrics"]["implicit_precision"]["value"] >= 4
+    assert {f["location"]["symbol"] for f in dots["findings"]} >= {"merge_fwd_bwd_kernel"}
+    merge = results["fla.cp.merge"]
+    assert merge["status"] == "fail", merge["reason"]
+    assert merge["metrics"]["excess_over_fp32"]["value"] > 1000  # tf32 in a chain: thousands of times fp32's error
+    assert merge["metrics"]["err_p32"]["value"] > merge["metrics"]["err_p2"]["value"] * 3  # and it grows
+
+    run = _cli("run", "--target", str(fla_052), "--manifest", str(MANIFEST), "--backend", "offline", "--json",
+               cwd=tmp_path)
+    summary = json.loads(run.stdout)
+    (attempt,) = summary["attempts"]
+    assert attempt["playbook"] == "tf32x3-fp32-dot-chains" and attempt["verdict"] == "better", attempt
+    assert attempt["decision"] == "held" and any(r.startswith("numerics") for r in attempt["risk"])
+    repo = git.Repo(fla_052)
+    assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)  # the user's tree
+    fixed = repo.git.show(f"{attempt['branch']}:fla/ops/cp/chunk_delta_h.py")
+    assert fixed.count("input_precision=FP32_DOT_PRECISION") == dots["metrics"]["implicit_precision"]["value"]
+    assert "'tf32x3' if torch.cuda.is_available()" in fixed and "else 'ieee')" in fixed
+
+    item = _cli("review", "list", "--target", str(fla_052), "--json", cwd=tmp_path)
+    (pending,) = json.loads(item.stdout)
+    approve = _cli("review", "approve", str(pending["id"]), "--target", str(fla_052), "--reviewer", "kim", "--json",
+                   cwd=tmp_path)
+    assert approve.returncode == 0, approve.stderr[-2000:]
+    assert json.loads(approve.stdout)["state"] == "applied"
+
+    wt = tmp_path / "after"
+    repo.git.worktree("add", "--detach", str(wt), summary["branch"])
+    after = _cli("feedback", "--target", str(wt), "--manifest", str(MANIFEST), "--all", "--json", cwd=tmp_path)
+    assert after.returncode == 0, after.stdout[-3000:]
+    results = {r["probe"]: r for r in json.loads(after.stdout)["results"]}
+    assert results["fla.cp.merge"]["metrics"]["excess_over_fp32"]["value"] <= 100
+    assert results["fla.static.cp_dots"]["metrics"]["implicit_precision"]["value"] == 0
