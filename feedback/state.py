@@ -1,5 +1,10 @@
 """The state folder: everything infra-agent writes for one place lives under ``.infra-agent/``.
 
+For the bundled target that place is the current directory.  A user's own repository is never
+written into: its state folder lives under the state home (``$INFRA_AGENT_HOME``, else
+``$XDG_STATE_HOME/infra-agent``, else ``~/.local/state/infra-agent``), in ``targets/<name>-<hash of
+its path>`` (:meth:`StateDir.for_target`), so ``--target DIR`` finds the same one every time.
+
 One object spells out the layout; the harness, the workspaces, the review queue and the CLI take
 it (or a path it gives) as an argument instead of joining folder names themselves::
 
@@ -22,14 +27,31 @@ NAME = ".infra-agent"
 SKIP_PARTS = frozenset({".git", NAME, "__pycache__"})
 
 
+def state_home() -> pathlib.Path:
+    """Where the state of users' own repositories lives (never inside them)."""
+    if os.environ.get("INFRA_AGENT_HOME"):
+        return pathlib.Path(os.environ["INFRA_AGENT_HOME"]).expanduser().resolve()
+    base = os.environ.get("XDG_STATE_HOME") or pathlib.Path.home() / ".local" / "state"
+    return pathlib.Path(base).expanduser().resolve() / "infra-agent"
+
+
 @dataclass(frozen=True)
 class StateDir:
     root: pathlib.Path
 
     @classmethod
     def of(cls, base: str | os.PathLike | None = None) -> StateDir:
-        """The state folder of ``base`` (a target's root; default: the current directory)."""
+        """The state folder inside ``base`` (default: the current directory): the bundled target's."""
         return cls(pathlib.Path(base if base is not None else pathlib.Path.cwd()).resolve() / NAME)
+
+    @classmethod
+    def for_target(cls, target: str | os.PathLike) -> StateDir:
+        """The state folder of a user's repository ``target``: outside it, under the state home."""
+        import hashlib
+
+        root = pathlib.Path(target).resolve()
+        key = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+        return cls(state_home() / "targets" / f"{root.name or 'root'}-{key}" / NAME)
 
     @property
     def cache(self) -> pathlib.Path:

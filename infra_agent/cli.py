@@ -152,7 +152,6 @@ def feedback(
     from feedback.harness import UnknownProbe, export_baseline, judge
     from feedback.manifest import ManifestError, load_manifest, parse_manifest
     from feedback.select import DiffError, changed_files
-    from feedback.state import StateDir
 
     if changed_from and diff:
         fail("--changed-from and --diff are alternatives: give one")
@@ -175,7 +174,7 @@ def feedback(
         report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
                                     run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
                                     jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
-                                    quiet=as_json, cache_dir=StateDir.of(root).cache,
+                                    quiet=as_json, cache_dir=_state(target).cache,
                                     baseline_manifest=manifest if manifest_file else None)
         if keep is not None:
             keep.cleanup()
@@ -298,11 +297,17 @@ review_app = typer.Typer(help="The review queue: patches held by the risk gate, 
 app.add_typer(review_app, name="review")
 
 
-def _queue(target: str | None):
+def _state(target: str | None):
+    """The state folder: the current directory's for the bundled target, the state home's for a repository."""
     from feedback.state import StateDir
+
+    return StateDir.for_target(target) if target else StateDir.of()
+
+
+def _queue(target: str | None):
     from infra_agent.review import ReviewQueue
 
-    return ReviewQueue(StateDir.of(target).review_db)
+    return ReviewQueue(_state(target).review_db)
 
 
 def _render_item(item, full: bool = True) -> None:
@@ -599,16 +604,14 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     """``run --resume SESSION``: the session's workspace, backend and goal as it was started (options given
     now win), on from where its trajectory and records stop."""
     import json
-    import pathlib
 
-    from feedback.state import StateDir
     from infra_agent.agent import Limits
     from infra_agent.resume import ResumeError
     from infra_agent.scenarios import ScenarioError, resolve
     from infra_agent.session import make_backend, print_event, render_summary, run_session
     from infra_agent.workspace import GitWorkspace
 
-    state = StateDir.of(pathlib.Path(target) if target else None)
+    state = _state(target)
     try:
         ws = GitWorkspace.reopen(state, session)
         meta = ws.meta()

@@ -2,9 +2,11 @@
 
 * Bundled target: the installed ``target_stack`` is materialised as a scratch repository under
   ``.infra-agent/workspaces/<session>/repo`` (works from a checkout and from a wheel).
-* External target (``--target DIR``, a git repository with an infra-agent.yaml): worktrees off
-  its HEAD.  The user's checked-out branch and working tree are never touched: the session only
-  creates the branch ``infra-agent/<session>`` and worktrees under ``.infra-agent/``.
+* External target (``--target DIR``, a git repository with an infra-agent.yaml, or one named with
+  ``--manifest``): worktrees off its HEAD.  The user's checked-out branch and working tree are never
+  touched, and nothing is written inside them: the session only creates the branch
+  ``infra-agent/<session>``, and its worktrees and state live in the state home
+  (:meth:`feedback.state.StateDir.for_target`).
 
 Accepted patches are commits on the session branch, which is the next baseline.
 """
@@ -110,7 +112,7 @@ class GitWorkspace:
             raise ValueError(f"{target} is not the root of a git repository") from exc
         if not repo.head.is_valid():
             raise ValueError(f"{target} has no commits yet")
-        ws = cls(target, session, StateDir.of(target), str(target))
+        ws = cls(target, session, StateDir.for_target(target), str(target))
         ws.manifest_file = manifest_file
         ws._write_meta()
         return ws
@@ -246,9 +248,11 @@ class GitWorkspace:
 
 
 def list_sessions(target: pathlib.Path | None = None) -> list[dict]:
-    """The sessions in the state folder of ``target`` (default: the current directory), oldest first."""
+    """The sessions of repository ``target`` (default: the bundled target's, in the current directory), oldest
+    first."""
     out = []
-    for meta in sorted(StateDir.of(target).workspaces.glob("*/session.json")):
+    state = StateDir.for_target(target) if target is not None else StateDir.of()
+    for meta in sorted(state.workspaces.glob("*/session.json")):
         try:
             info = json.loads(meta.read_text())
         except json.JSONDecodeError:

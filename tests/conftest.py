@@ -1,9 +1,13 @@
 import os
 import pathlib
+import tempfile
 
 # Kernels run in Triton's interpreter on machines without a GPU; outputs are poisoned (NaN)
 # before every kernel run so a kernel that skips work cannot pass on stale memory.
 os.environ.setdefault("TARGET_STACK_POISON", "1")
+# The state of users' repositories (sessions, caches, review queues) lives in the state home, never
+# inside them; the tests' own home is a scratch folder, shared by the CLIs they start.
+os.environ.setdefault("INFRA_AGENT_HOME", tempfile.mkdtemp(prefix="infra-agent-home-"))
 
 import git
 import pytest

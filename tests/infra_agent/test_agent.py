@@ -179,7 +179,7 @@ def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "infra_agent.cli", "run", "--target", str(root), "--backend",
                              "offline"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env_without_keys(), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    pid_file = root / ".infra-agent" / "probe.pid"
+    pid_file = StateDir.for_target(root).root / "probe.pid"
     deadline = time.time() + 60
     while not pid_file.exists() and time.time() < deadline:
         time.sleep(0.2)
@@ -189,7 +189,7 @@ def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
     assert time.time() - t0 < 15
-    (session,) = list((root / ".infra-agent" / "workspaces").glob("*/session.json"))
+    (session,) = list(StateDir.for_target(root).workspaces.glob("*/session.json"))
     summary = json.loads((session.parent / "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
     assert "interrupted" in (session.parent / "trajectory.jsonl").read_text()

@@ -19,6 +19,7 @@ import time
 import git
 import pytest
 
+from feedback.state import StateDir
 from infra_agent.resume import ResumeError, read_trajectory, restore_messages
 from tests.support.chat import ScriptedServer, ok, tool_call
 from tests.support.toy_agent import FIX, clean_and_on_main, env_without_keys, make_toy
@@ -70,7 +71,7 @@ def test_a_session_killed_mid_probe_resumes_from_its_trajectory(tmp_path):
     assert not _alive(probe_pid), "the candidate's probe outlived the killed session"
     clean_and_on_main(root)  # the user's branch and working tree never moved
 
-    (session_dir,) = (root / ".infra-agent" / "workspaces").iterdir()
+    (session_dir,) = StateDir.for_target(root).workspaces.iterdir()
     session = session_dir.name
     records = read_trajectory(session_dir / "trajectory.jsonl")
     messages, step, pending = restore_messages(records)

@@ -48,7 +48,7 @@ def test_settled_once_and_the_second_reviewer_is_told_who_and_when(tmp_path):
 def test_the_interactive_queue_shows_its_choices_and_records_a_rejection(tmp_path):
     """A person at the terminal: open the item, read the prompt (its brackets are text, not markup),
     reject with a reason; the queue has the decision and the reviewer."""
-    q = ReviewQueue(StateDir.of(tmp_path).review_db)
+    q = ReviewQueue(StateDir.for_target(tmp_path).review_db)
     _item(q, hypothesis="loosen the merge tolerance")
     out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "--target", str(tmp_path), "--reviewer",
                           "carol"], input="1\nr\nthe tolerance hides the tf32 error\nq\n", capture_output=True,
@@ -162,7 +162,7 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
 def test_a_failing_validation_undoes_the_merge(tmp_path, monkeypatch):
     root, ws = _held_session(tmp_path, monkeypatch)
     repo = git.Repo(root)
-    q = ReviewQueue(root / ".infra-agent" / "review.db")
+    q = ReviewQueue(StateDir.for_target(root).review_db)
     item = q.get(1)
     # sabotage the candidate branch: its tip now breaks the probe
     wt = tmp_path / "wt"
@@ -188,7 +188,7 @@ def compute():
 def test_an_approval_killed_mid_validation_leaves_the_item_pending_and_the_branch_unmoved(tmp_path, monkeypatch):
     root, ws = _held_session(tmp_path, monkeypatch)
     repo = git.Repo(root)
-    item = ReviewQueue(root / ".infra-agent" / "review.db").get(1)
+    item = ReviewQueue(StateDir.for_target(root).review_db).get(1)
     wt, marker = tmp_path / "wt", tmp_path / "validating"
     repo.git.worktree("add", str(wt), item.candidate_branch)
     (wt / "toy" / "core.py").write_text(HANGING.format(marker=str(marker)))  # the validation probe hangs
@@ -204,7 +204,7 @@ def test_an_approval_killed_mid_validation_leaves_the_item_pending_and_the_branc
     assert marker.exists(), "the validation probe never started"
     os.kill(proc.pid, signal.SIGKILL)  # mid-validation: merged in a scratch worktree, branch not yet moved
     proc.wait()
-    q = ReviewQueue(root / ".infra-agent" / "review.db")  # opening the queue recovers the dead approval
+    q = ReviewQueue(StateDir.for_target(root).review_db)  # opening the queue recovers the dead approval
     item = q.get(1)
     assert item.state == "pending" and item.settled_by is None, item
     assert "approval by frank" in item.note and "interrupted" in item.note
@@ -227,7 +227,7 @@ def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stderr
     from infra_agent.experiments import load_record
 
-    rec = load_record(ReviewQueue(root / ".infra-agent" / "review.db").get(1).experiment)
+    rec = load_record(ReviewQueue(StateDir.for_target(root).review_db).get(1).experiment)
     assert (rec.decision.status, rec.decision.by, rec.decision.reason) == ("rejected", "erin",
                                                                            "changes the tolerance semantics")
     with ScriptedServer([ok(tool_call("finish", summary="ok"))]) as server:

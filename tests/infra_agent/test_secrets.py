@@ -11,6 +11,7 @@ import sys
 
 import git
 
+from feedback.state import StateDir
 from tests.support.chat import ScriptedServer, ok, tool_call
 from tests.support.toy_agent import FIX, env_without_keys, make_toy
 
@@ -42,11 +43,12 @@ def test_a_planted_key_appears_in_nothing_the_session_writes(tmp_path):
     assert server.requests[0]["auth"] == f"Bearer {KEY}"  # the key did reach the provider, and only it
     summary = json.loads(run.stdout)
     assert summary["attempts"], summary
-    state = root / ".infra-agent" if (root / ".infra-agent").exists() else tmp_path / ".infra-agent"
+    state = StateDir.for_target(root).root  # the repository's state lives in the state home, not in it
+    assert not (root / ".infra-agent").exists()
     records = sorted(state.rglob("exp-*.yaml"))
     assert records, list(state.rglob("*"))[:20]
     replay = _cli(["replay", *map(str, records), "--junit", str(tmp_path / "replay.xml")], tmp_path)
-    review = _cli(["review", "list", "--json"], tmp_path)
+    review = _cli(["review", "list", "--target", str(root), "--json"], tmp_path)
     texts = {"run stdout": run.stdout, "run stderr": run.stderr, "replay": replay.stdout + replay.stderr,
              "review": review.stdout + review.stderr}
     for path in [*tmp_path.rglob("*")]:

@@ -128,5 +128,6 @@ def test_a_manifest_outside_the_tree_judges_it_and_nothing_is_written_in_it(tmp_
     (res,) = report["results"]
     assert fb.returncode == 1 and res["status"] == "fail"  # the reference changed: the test fails, localised
     assert "test_scale failed" in res["findings"][0]["message"]
+    assert git.Repo(root).git.status("--porcelain", "--ignored") == " M src/mylib/ops/naive.py"  # nothing of ours
     missing = _cli("feedback", "--target", str(root), "--manifest", str(tmp_path / "nope.yaml"), cwd=tmp_path)
     assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -59,6 +59,7 @@ def test_fla_0_5_2_is_found_fixed_held_approved_and_holds(fla_052, tmp_path):
     assert attempt["decision"] == "held" and any(r.startswith("numerics") for r in attempt["risk"])
     repo = git.Repo(fla_052)
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)  # the user's tree
+    assert repo.git.status("--porcelain", "--ignored") == ""  # and nothing written in it, ignored or not
     fixed = repo.git.show(f"{attempt['branch']}:fla/ops/cp/chunk_delta_h.py")
     assert fixed.count("input_precision=FP32_DOT_PRECISION") == dots["metrics"]["implicit_precision"]["value"]
     assert "'tf32x3' if torch.cuda.is_available()" in fixed and "else 'ieee')" in fixed
@@ -77,3 +78,10 @@ def test_fla_0_5_2_is_found_fixed_held_approved_and_holds(fla_052, tmp_path):
     results = {r["probe"]: r for r in json.loads(after.stdout)["results"]}
     assert results["fla.cp.merge"]["metrics"]["excess_over_fp32"]["value"] <= 100
     assert results["fla.static.cp_dots"]["metrics"]["implicit_precision"]["value"] == 0
+    # the session's record replays from the repository and commit it names, judged by the same manifest
+    from feedback.state import StateDir
+
+    (record,) = sorted(StateDir.for_target(fla_052).experiments.glob("exp-*.yaml"))
+    replay = _cli("replay", str(record), "--json", cwd=tmp_path)
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert json.loads(replay.stdout)[0]["status"] == "pass"
