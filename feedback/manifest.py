@@ -50,6 +50,25 @@ class Threshold(BaseModel):
         return self
 
 
+_DOTTED = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+
+
+class BenchSpec(BaseModel):
+    """A callable of the tree timed by the harness (``feedback/timing.py``), no probe code written."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call: str = Field(pattern=_DOTTED, description="module:function of the tree: the call timed")
+    make: str = Field(pattern=_DOTTED, description="module:function(i, **params) -> a tuple of fresh inputs for "
+                      "call i, made on the device named by params['device'] (set by the harness)")
+    check: str | None = Field(None, pattern=_DOTTED, description="module:function(before, after, outputs) -> "
+                              "relative error against a reference, run on timed calls after timing")
+    bytes: float | str = Field(0.0, description="bytes a call must move (a number, or module:function(*inputs)): "
+                               "bandwidth against the device's copy, and a roofline floor")
+    tol: float = Field(1e-3, gt=0)
+    reps: int = Field(20, ge=3, le=1000)
+
+
 class ProbeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -60,6 +79,7 @@ class ProbeSpec(BaseModel):
     pytest: list[str] | None = Field(None, description="pytest node ids (or files) of the tree's own tests; a "
                                      "failure is localised to the innermost frame of its traceback in the tree")
     check: str | None = Field(None, description="a built-in static check (feedback/checks.py) over params.paths")
+    bench: BenchSpec | None = Field(None, description="a callable of the tree timed by the harness (microbench)")
     description: str = ""
     covers: Covers = Field(default_factory=Covers)
     params: dict[str, Any] = Field(default_factory=dict, description="launch parameters and input conditions")
@@ -74,10 +94,12 @@ class ProbeSpec(BaseModel):
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> ProbeSpec:
-        ways = [w for w in ("entry", "command", "pytest", "check") if getattr(self, w) is not None]
+        ways = [w for w in ("entry", "command", "pytest", "check", "bench") if getattr(self, w) is not None]
         if len(ways) != 1:
-            raise ValueError("a probe needs exactly one of entry (module:function), command, pytest (node ids) or "
-                             f"check (a built-in static check), got {', '.join(ways) or 'none'}")
+            raise ValueError("a probe needs exactly one of entry (module:function), command, pytest (node ids), "
+                             f"check (a built-in static check) or bench, got {', '.join(ways) or 'none'}")
+        if self.bench is not None and self.kind != "microbench":
+            raise ValueError(f"a bench probe is kind microbench, not {self.kind}")
         if self.entry is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.entry):
             raise ValueError(f"entry must look like module.path:function, got {self.entry!r}")
         if self.pytest is not None and not self.pytest:

@@ -105,8 +105,11 @@ class Runner:
             test = self.tree / node.split("::")[0]
             if test.is_file():
                 files.add(test)
-        if spec.entry:
-            module = spec.entry.split(":")[0].replace(".", "/")
+        dotted = [spec.entry] if spec.entry else [d for d in (spec.bench.call, spec.bench.make, spec.bench.check,
+                                                               spec.bench.bytes) if isinstance(d, str)] \
+            if spec.bench else []
+        for entry in dotted:  # the modules a probe runs are part of what it covers
+            module = entry.split(":")[0].replace(".", "/")
             for root in [*self.manifest.probe_roots(), *(self.tree / r for r in self.manifest.python_path)]:
                 for cand in (root / f"{module}.py", root / module / "__init__.py"):
                     if cand.is_file():
@@ -204,7 +207,7 @@ class Runner:
         else:
             runs, reported = [], True
             for _ in range(repeats_for(spec.kind, spec.repeats)):
-                run, ok = (self._run_python(spec) if spec.entry else self._run_check(spec) if spec.check
+                run, ok = (self._run_python(spec) if spec.entry or spec.bench else self._run_check(spec) if spec.check
                            else self._run_pytest(spec) if spec.pytest else self._run_command(spec))
                 runs.append(run)
                 reported &= ok
@@ -286,6 +289,7 @@ class Runner:
             req, out = pathlib.Path(tmp) / "request.json", pathlib.Path(tmp) / "result.json"
             armed = spec.kind in ARMED_KINDS
             req.write_text(json.dumps({"probe": spec.id, "entry": spec.entry, "params": spec.params,
+                                       "bench": spec.bench.model_dump() if spec.bench else None,
                                        "tree": str(self.tree), "arm": armed,
                                        "probe_roots": [str(r) for r in self.manifest.probe_roots()]}))
             stamps: list[tuple[float, str]] = []

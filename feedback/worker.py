@@ -51,16 +51,25 @@ def main(argv: list[str]) -> int:
     clock = time.perf_counter  # bound before the tree under test is imported
     t0 = clock()
     status, reason = Status.passed, None
-    try:
-        module_name, func_name = request["entry"].split(":")
+    allowed = [tree, *(pathlib.Path(r) for r in request.get("probe_roots", []))]
+
+    def load(dotted: str):
+        """``module:function`` imported from the tree under test (or the manifest's probe_path), never elsewhere."""
+        module_name, func_name = dotted.split(":")
         module = importlib.import_module(module_name)
         origin = pathlib.Path(getattr(module, "__file__", "") or "").resolve()
-        allowed = [tree, *(pathlib.Path(r) for r in request.get("probe_roots", []))]
         if not any(root in origin.parents for root in allowed):
             raise RuntimeError(f"{module_name} was imported from {origin}, outside the tree under test {tree}"
                                + (" and the manifest's probe_path" if len(allowed) > 1 else ""))
-        fn = getattr(module, func_name)
-        returned = fn(ctx)
+        return getattr(module, func_name)
+
+    try:
+        if request.get("bench"):
+            from feedback.benchprobe import run_bench
+
+            returned = run_bench(ctx, request["bench"], load)
+        else:
+            returned = load(request["entry"])(ctx)
         if isinstance(returned, dict):
             for name, value in returned.items():
                 ctx.metric(name, value)
