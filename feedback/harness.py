@@ -46,6 +46,7 @@ def judge(
     on_result: Callable[[str, ProbeResult], None] | None = None,
     same_judges: bool = False,
     baseline_manifest: Manifest | None = None,
+    executor=None,
 ) -> FeedbackReport:
     """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
 
@@ -70,12 +71,13 @@ def judge(
     else:
         specs, selection = order(list(manifest.probes)), "all probes"
     cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(tree).cache
-    runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env)
+    runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env,
+                    executor=executor)
     base_runner = None
     if baseline_tree is not None:
         base_manifest = baseline_manifest or _baseline_manifest(pathlib.Path(baseline_tree), manifest)
         base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
-                             extra_env=extra_env)
+                             extra_env=extra_env, executor=executor)
     judges_before = content_hashes(tree, manifest, specs)
     if on_start:
         on_start(specs)

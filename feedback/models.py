@@ -144,6 +144,8 @@ class ProbeResult(_Model):
     # Seconds of each timed loop (feedback/timing.py) by the probe's clock; the runner holds them
     # against the harness process's own clock (the witness) and fails a probe where they disagree.
     spans: dict[str, float] = Field(default_factory=dict)
+    # where it ran when not in this process's machine: "ray node 3f2a... (host, device)"
+    ran_on: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -81,7 +81,8 @@ class EnvironmentFailure(RuntimeError):
 
 class Runner:
     def __init__(self, tree: str | pathlib.Path, manifest: Manifest, *, jobs: int = 2, cache_dir: str | None = None,
-                 use_cache: bool = True, emulate: bool = True, extra_env: dict[str, str] | None = None):
+                 use_cache: bool = True, emulate: bool = True, extra_env: dict[str, str] | None = None,
+                 executor=None):
         self.tree = pathlib.Path(tree).resolve()
         self.manifest = manifest
         self.jobs = max(1, jobs)
@@ -91,6 +92,9 @@ class Runner:
         self.cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(self.tree).cache
         self.env_key = environment_key(emulate)
         self._live: set[subprocess.Popen] = set()
+        # where probes run: None here, as subprocesses; or an executor with run(runner, spec) -> (result,
+        # reported), such as feedback.ray_executor.RayExecutor (the cache stays here either way)
+        self.executor = executor
 
     # --- cache ------------------------------------------------------------------------------
 
@@ -201,23 +205,26 @@ class Runner:
         key = self.cache_key(spec) if self.use_cache else None
         if key and (hit := self._cache_get(key)):
             return hit
-        if spec.needs_gpu and not gpu_present():
-            result, reported = ProbeResult(probe=spec.id, status=Status.skipped,
-                                           reason="needs a GPU; none on this machine"), True
-        else:
-            runs, reported = [], True
-            for _ in range(repeats_for(spec.kind, spec.repeats)):
-                run, ok = (self._run_python(spec) if spec.entry or spec.bench else self._run_check(spec) if spec.check
-                           else self._run_pytest(spec) if spec.pytest else self._run_command(spec))
-                runs.append(run)
-                reported &= ok
-                if run.status not in (Status.passed, Status.failed):
-                    break  # an error, a timeout or a skip: repeating would say the same
-            result = combine_runs(runs)
+        result, reported = self.executor.run(self, spec) if self.executor is not None else self.execute(spec)
         result = apply_thresholds(spec, result)
         if key and reported:
             self._cache_put(key, result)
         return result
+
+    def execute(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """Run the probe here (``repeats`` times for the performance kinds): (result, whether the probe
+        itself reported it).  An executor elsewhere (``feedback/ray_executor.py``) calls this on its worker."""
+        if spec.needs_gpu and not gpu_present():
+            return ProbeResult(probe=spec.id, status=Status.skipped, reason="needs a GPU; none on this machine"), True
+        runs, reported = [], True
+        for _ in range(repeats_for(spec.kind, spec.repeats)):
+            run, ok = (self._run_python(spec) if spec.entry or spec.bench else self._run_check(spec) if spec.check
+                       else self._run_pytest(spec) if spec.pytest else self._run_command(spec))
+            runs.append(run)
+            reported &= ok
+            if run.status not in (Status.passed, Status.failed):
+                break  # an error, a timeout or a skip: repeating would say the same
+        return combine_runs(runs), reported
 
     def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool,
                stamps: list[tuple[float, str]] | None = None) -> tuple[int | None, str, str, float, bool]:

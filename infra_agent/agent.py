@@ -79,8 +79,9 @@ behaviour are held for a human reviewer. Call finish when nothing the feedback f
 class Agent:
     def __init__(self, backend: Backend, workspace: Workspace, goal: str, limits: Limits | None = None,
                  trajectory: pathlib.Path | None = None, jobs: int = 2,
-                 on_event: Callable[[str, dict], None] | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, executor=None):
         self.backend = backend
+        self.executor = executor  # where probes run: None (local subprocesses) or feedback.ray_executor
         self.ws = workspace
         self.goal = goal
         self.limits = limits or Limits()
@@ -90,7 +91,7 @@ class Agent:
         self.cache_dir = workspace.state.cache
         self.queue = ReviewQueue(workspace.state.review_db)
         self.experiments_dir = workspace.state.experiments
-        self.env = Environment(workspace, jobs=jobs, cache_dir=self.cache_dir)
+        self.env = Environment(workspace, jobs=jobs, cache_dir=self.cache_dir, executor=executor)
         self.emit = on_event or (lambda kind, data: None)
         self.attempts: list[Attempt] = []
         self.messages: list[dict] = []
@@ -110,7 +111,7 @@ class Agent:
         base = self.ws.baseline()
         self.emit("judging", {"what": "baseline", "tree": str(base.path)})
         report = judge(base.path, jobs=self.jobs, run_all=True, label=f"baseline {base.base[:10]}",
-                       cache_dir=self.cache_dir, manifest=self.ws.judges())
+                       cache_dir=self.cache_dir, manifest=self.ws.judges(), executor=self.executor)
         self.emit("feedback", {"report": report})
         return report
 
@@ -265,7 +266,7 @@ class Agent:
         judges = self.ws.judges()
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
                        label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True,
-                       manifest=judges, baseline_manifest=judges)
+                       manifest=judges, baseline_manifest=judges, executor=self.executor)
         record.report = report
         judgement = report.verdict or verdict(report)
         record.verdict, record.reason = judgement.name, judgement.reason

@@ -142,6 +142,9 @@ def feedback(
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore cached probe results"),
     manifest_file: str = typer.Option(None, "--manifest", help="a manifest kept outside the target tree (the judges "
                                                                "then live where no change to the tree reaches them)"),
+    executor: str = typer.Option("local", "--executor", help="local (subprocesses here) or ray"),
+    address: str = typer.Option(None, "--address", help="with --executor ray: an existing cluster (default: a "
+                                                        "local Ray instance for this run)"),
 ) -> None:
     """Judge a target tree with its probes: correctness, microbenchmarks, traces, events, serving metrics.
 
@@ -171,11 +174,12 @@ def feedback(
         if base_rev:
             base_tree, keep = export_baseline(root, base_rev)
         extra_env = {"INFRA_AGENT_TRACE_DIR": str(pathlib.Path(trace_dir).resolve())} if trace_dir else None
-        report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
-                                    run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
-                                    jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
-                                    quiet=as_json, cache_dir=_state(target).cache,
-                                    baseline_manifest=manifest if manifest_file else None)
+        with _executor(executor, address, jobs) as ex:
+            report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
+                                        run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
+                                        jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
+                                        quiet=as_json, cache_dir=_state(target).cache,
+                                        baseline_manifest=manifest if manifest_file else None, executor=ex)
         if keep is not None:
             keep.cleanup()
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
@@ -295,6 +299,24 @@ def gate_cmd(
 review_app = typer.Typer(help="The review queue: patches held by the risk gate, for a person to settle.",
                           invoke_without_command=True)
 app.add_typer(review_app, name="review")
+
+
+def _executor(kind: str, address: str | None, jobs: int):
+    """Where probes run, as a context manager: nothing (local subprocesses) or a Ray executor."""
+    import contextlib
+
+    if kind == "local":
+        if address:
+            fail("--address names a Ray cluster: give --executor ray too")
+        return contextlib.nullcontext(None)
+    if kind != "ray":
+        fail(f"--executor must be local or ray, got {kind!r}")
+    from feedback.ray_executor import RayExecutor
+
+    try:
+        return RayExecutor(address=address, num_cpus=max(jobs, 2) if not address else None)
+    except (RuntimeError, ConnectionError, ValueError) as exc:
+        fail(f"--executor ray: {str(exc).splitlines()[0]}")
 
 
 def _state(target: str | None):
@@ -530,6 +552,9 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="print the session summary as JSON"),
     manifest_file: str = typer.Option(None, "--manifest", help="with --target: judge by this manifest, kept outside "
                                                                "the target (the agent can then not even see it)"),
+    executor: str = typer.Option("local", "--executor", help="local (subprocesses here) or ray"),
+    address: str = typer.Option(None, "--address", help="with --executor ray: an existing cluster (default: a "
+                                                        "local Ray instance for the session)"),
     resume: str = typer.Option(None, "--resume", metavar="SESSION",
                                help="go on with a session that was killed or stopped (`infra-agent sessions list`): "
                                     "its branch, attempts and conversation; --max-steps more steps"),
@@ -541,18 +566,16 @@ def run(
     (everything so far is kept).
     """
     import json
-    import pathlib
 
-    from infra_agent.agent import Limits
     from infra_agent.scenarios import ScenarioError, resolve
-    from infra_agent.session import BACKENDS, default_backend, make_backend, print_event, render_summary, run_session
-    from infra_agent.workspace import GitWorkspace, new_session_id
+    from infra_agent.session import BACKENDS, default_backend
 
     if resume:
         if scenario:
             fail("--resume goes on with a session as it was started; --scenario starts a new one")
-        return _resume(resume, target, goal, backend, model, base_url, trajectory, max_steps, time_limit, jobs,
-                       as_json)
+        with _executor(executor, address, jobs) as ex:
+            return _resume(resume, target, goal, backend, model, base_url, trajectory, max_steps, time_limit, jobs,
+                           as_json, ex)
     backend = backend or default_backend()
     if backend not in BACKENDS:
         fail(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -564,7 +587,28 @@ def run(
         chosen = resolve(scenario) if scenario else [None]
     except ScenarioError as exc:
         fail(str(exc))
-    summaries, outcome = [], "finished"
+    summaries: list[dict] = []
+    with _executor(executor, address, jobs) as ex:
+        _run_sessions(chosen, summaries, target, manifest_file, backend, model, base_url, trajectory, goal,
+                      max_steps, time_limit, jobs, as_json, ex)
+    outcome = summaries[-1]["outcome"] if summaries else "finished"
+    if as_json:
+        print(json.dumps(summaries[0] if len(chosen) == 1 else summaries, indent=2, default=str))
+    elif len(chosen) > 1:
+        _render_scenarios_run(summaries)
+    codes = [s["exit_code"] if not s.get("scenario") or s["scenario"]["solved"] != "no" else 1 for s in summaries]
+    raise typer.Exit(130 if outcome == "interrupted" else max(codes))
+
+
+def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base_url, trajectory, goal, max_steps,
+                  time_limit, jobs, as_json, ex) -> None:
+    """One session per scenario (or one on the target), their summaries appended as they end."""
+    import pathlib
+
+    from infra_agent.agent import Limits
+    from infra_agent.session import make_backend, print_event, render_summary, run_session
+    from infra_agent.workspace import GitWorkspace, new_session_id
+
     for n, sc in enumerate(chosen, 1):
         session = new_session_id()
         try:
@@ -585,22 +629,17 @@ def run(
         ws.update_meta(goal=task, backend=backend, model=getattr(be, "model", None), base_url=base_url,
                        trajectory=trajectory)
         outcome, summary = run_session(ws, be, task, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
-                                       on_event=None if as_json else print_event(console), scenario=sc)
+                                       on_event=None if as_json else print_event(console), scenario=sc,
+                                       executor=ex)
         summaries.append(summary)
         if not as_json:
             render_summary(summary, console)
         if outcome == "interrupted":
             break
-    if as_json:
-        print(json.dumps(summaries[0] if len(chosen) == 1 else summaries, indent=2, default=str))
-    elif len(chosen) > 1:
-        _render_scenarios_run(summaries)
-    codes = [s["exit_code"] if not s.get("scenario") or s["scenario"]["solved"] != "no" else 1 for s in summaries]
-    raise typer.Exit(130 if outcome == "interrupted" else max(codes))
 
 
 def _resume(session: str, target, goal, backend, model, base_url, trajectory, max_steps: int, time_limit: float,
-            jobs: int, as_json: bool) -> None:
+            jobs: int, as_json: bool, executor=None) -> None:
     """``run --resume SESSION``: the session's workspace, backend and goal as it was started (options given
     now win), on from where its trajectory and records stop."""
     import json
@@ -626,7 +665,8 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     try:
         outcome, summary = run_session(ws, be, goal or meta.get("goal") or DEFAULT_GOAL,
                                        Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
-                                       on_event=None if as_json else print_event(console), scenario=sc, resume=True)
+                                       on_event=None if as_json else print_event(console), scenario=sc, resume=True,
+                                       executor=executor)
     except ResumeError as exc:
         fail(str(exc))
     if as_json:

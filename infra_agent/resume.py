@@ -111,7 +111,7 @@ def restore(agent, base_commit: str) -> str:
     base = agent.ws.tree_at(base_commit, "session-base")
     try:
         agent.initial = judge(base, jobs=agent.jobs, run_all=True, label=f"session base {base_commit[:10]}",
-                              cache_dir=agent.cache_dir, manifest=agent.ws.judges())
+                              cache_dir=agent.cache_dir, manifest=agent.ws.judges(), executor=agent.executor)
     finally:
         agent.ws.drop_tree(base)
     state = (f"resumed at step {agent.step} with {len(agent.attempts)} attempt(s) on record"

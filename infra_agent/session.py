@@ -79,11 +79,11 @@ def print_event(console: Console):
 
 
 def run_session(ws, backend, goal: str, limits: Limits, jobs: int = 2, on_event=None,
-                scenario: Scenario | None = None, resume: bool = False) -> tuple[str, dict]:
+                scenario: Scenario | None = None, resume: bool = False, executor=None) -> tuple[str, dict]:
     """One agent session to its end (the workspace's worktrees removed after); the summary is written
     to the session's folder and returned with the outcome.  ``resume``: the session goes on from its
     trajectory and records (:mod:`infra_agent.resume`), ``limits.max_steps`` more steps at most."""
-    agent = Agent(backend, ws, goal, limits, jobs=jobs, on_event=on_event)
+    agent = Agent(backend, ws, goal, limits, jobs=jobs, on_event=on_event, executor=executor)
     try:
         if resume:
             from infra_agent.resume import restore

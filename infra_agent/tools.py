@@ -112,8 +112,8 @@ def render_report(report: FeedbackReport, limit: int = 40) -> str:
 class Environment:
     """Runs the looking tools on the workspace's current baseline."""
 
-    def __init__(self, workspace: Workspace, jobs: int = 2, cache_dir: pathlib.Path | None = None):
-        self.ws, self.jobs, self.cache_dir = workspace, jobs, cache_dir
+    def __init__(self, workspace: Workspace, jobs: int = 2, cache_dir: pathlib.Path | None = None, executor=None):
+        self.ws, self.jobs, self.cache_dir, self.executor = workspace, jobs, cache_dir, executor
 
     def execute(self, action: Action) -> str:
         a, tree = action.args, self.ws.baseline().path
@@ -126,7 +126,7 @@ class Environment:
         if action.name == "run_probes":
             try:
                 report = judge(tree, probe_ids=a["ids"], jobs=self.jobs, run_all=True, cache_dir=self.cache_dir,
-                               manifest=self.ws.judges())
+                               manifest=self.ws.judges(), executor=self.executor)
             except ValueError as exc:
                 return f"error: {exc}"
             return render_report(report)

@@ -1,0 +1,183 @@
+"""Probes on a Ray cluster: ``--executor ray [--address ADDR]``.
+
+Each probe run is a Ray task with the resources its manifest entry declares (one CPU; one GPU for a
+``needs_gpu`` probe).  On the worker it runs exactly as it does locally (``Runner.execute``: a
+subprocess in its own process group, killed at its budget, the interpreter and the emulation where
+there is no GPU), so the verdicts are the same; the result cache stays with the driver, keyed by
+content as before, and only misses travel.
+
+* The tree travels by content: packed once per tree (a tar of its files, keyed by their hash), put
+  in Ray's object store, unpacked once per node into ``$TMPDIR/infra-agent-ray/<hash>``.  A probe
+  never sees another candidate's tree.
+* Performance probes (microbench, e2e) of one run are pinned to one node, so an A/B pair is timed on
+  the same device; every result is stamped with the node, host and device it ran on (``ran_on``).
+* A worker or node that dies mid-probe: Ray retries the task once elsewhere; if that dies too the
+  result is an ``error`` naming the node, marked as the machine's failure (never blamed on the
+  candidate, never cached), and the run goes on.  A task that outlives its budget is cancelled.
+* Each worker process has its own Triton cache (``TRITON_CACHE_DIR``), so candidates compiled in
+  parallel do not trample each other's builds.
+
+With no ``address`` a local Ray instance is started for the executor and shut down with it; with one
+(``ray start --head``, ``ray up``, KubeRay's head service, or ``auto``) the cluster is joined and left
+running.  Every node needs this project installed (``pip install -e ".[cluster]"``) and the same
+Python, torch and Triton.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pathlib
+import socket
+import tarfile
+import tempfile
+import threading
+
+from feedback.manifest import Manifest, ProbeSpec
+from feedback.models import ProbeResult, Status
+from feedback.state import SKIP_PARTS
+from feedback.verdict import repeats_for
+
+PERF_KINDS = ("microbench", "e2e")
+
+
+def pack(tree: pathlib.Path) -> tuple[str, bytes]:
+    """(content hash, tar bytes) of the files of ``tree`` (version control, our state and bytecode left out)."""
+    tree = pathlib.Path(tree).resolve()
+    files = sorted(p for p in tree.rglob("*") if (p.is_file() or p.is_symlink())
+                   and SKIP_PARTS.isdisjoint(p.relative_to(tree).parts))
+    h = hashlib.sha256()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for p in files:
+            rel = p.relative_to(tree).as_posix()
+            h.update(rel.encode() + b"\0")
+            h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes())
+            tar.add(p, arcname=rel, recursive=False)
+    return h.hexdigest()[:20], buf.getvalue()
+
+
+def unpack(digest: str, data: bytes) -> pathlib.Path:
+    """The tree ``digest`` on this node (unpacked once; concurrent tasks wait for the same copy)."""
+    home = pathlib.Path(tempfile.gettempdir()) / "infra-agent-ray"
+    dest = home / digest / "tree"
+    if dest.is_dir():
+        return dest
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f"{digest}-", dir=home if home.is_dir() else None))
+    home.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(staging, filter="tar") if hasattr(tarfile, "data_filter") else tar.extractall(staging)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(staging, dest)
+    except OSError:  # another task on this node got there first: its copy is the same content
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def where() -> str:
+    """This worker's node, host and device, as results are stamped."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    device = "cpu"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no torch on this node: the CPU it is
+        pass
+    return f"ray node {node[:12]} ({socket.gethostname()}, {device})"
+
+
+def probe_task(digest: str, data: bytes, manifest: dict, source: str | None, spec: dict, emulate: bool,
+               extra_env: dict[str, str]) -> tuple[str, bool]:
+    """On a Ray worker: one probe, as the local runner would run it.  (result JSON, reported)"""
+    from feedback.runner import Runner
+
+    tree = unpack(digest, data)
+    m = Manifest.model_validate(manifest)
+    m._source = source
+    cache = pathlib.Path(tempfile.gettempdir()) / "infra-agent-ray" / "triton" / str(os.getpid())
+    env = {"TRITON_CACHE_DIR": str(cache), **extra_env}
+    result, reported = Runner(tree, m, jobs=1, use_cache=False, emulate=emulate, extra_env=env).execute(
+        ProbeSpec.model_validate(spec))
+    return result.model_copy(update={"ran_on": where()}).model_dump_json(), reported
+
+
+class RayExecutor:
+    """Runs a runner's probes as Ray tasks (module docstring); use as a context manager, or ``close()``."""
+
+    def __init__(self, address: str | None = None, num_cpus: int | None = None, grace_s: float = 120.0):
+        try:
+            import ray
+        except ImportError as exc:
+            raise RuntimeError("--executor ray needs Ray: pip install -e '.[cluster]'") from exc
+        self.ray = ray
+        self.owned = not ray.is_initialized()
+        if self.owned:
+            kwargs = dict(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+            if address is None:
+                kwargs.update(num_cpus=num_cpus or os.cpu_count() or 2)
+            ray.init(**kwargs)
+        self.grace_s = grace_s
+        self._task = ray.remote(probe_task)
+        self._trees: dict[str, object] = {}  # content hash -> object ref
+        self._lock = threading.Lock()
+        self.perf_node = ray.get_runtime_context().get_node_id()  # the driver's node times every A/B pair
+
+    def __enter__(self) -> RayExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.owned and self.ray.is_initialized():
+            self.ray.shutdown()
+
+    def _tree(self, runner) -> tuple[str, object]:
+        """The runner's tree in the object store: packed once per runner (a judgement's tree does not change
+        while its probes run; the next candidate at the same path is another runner), put once per content."""
+        with self._lock:
+            packed = getattr(runner, "_ray_pack", None)
+            if packed is None:
+                digest, data = pack(runner.tree)
+                if digest not in self._trees:
+                    self._trees[digest] = self.ray.put(data)
+                packed = runner._ray_pack = (digest, self._trees[digest])
+            return packed
+
+    def run(self, runner, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """One probe on the cluster: (result, whether the probe itself reported it)."""
+        from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+
+        digest, ref = self._tree(runner)
+        opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
+        if spec.kind in PERF_KINDS:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.perf_node, soft=False)
+        source = str(runner.manifest.source) if runner.manifest.source else None
+        fut = self._task.options(**opts).remote(digest, ref, runner.manifest.model_dump(), source,
+                                               spec.model_dump(), runner.emulate, runner.extra_env)
+        limit = spec.budget_s * repeats_for(spec.kind, spec.repeats) + self.grace_s
+        try:
+            text, reported = self.ray.get(fut, timeout=limit)
+            return ProbeResult.model_validate_json(text), reported
+        except GetTimeoutError:
+            self.ray.cancel(fut, force=True)
+            return ProbeResult(probe=spec.id, status=Status.timeout, environment_failure=True,
+                               reason=f"no result from the cluster within {limit:g}s; the task was cancelled"), False
+        except RayTaskError as exc:  # the harness's own code raised on the worker
+            first = str(exc).strip().splitlines()[-1][:300]
+            return ProbeResult(probe=spec.id, status=Status.error, environment_failure=True,
+                               reason=f"the probe's task failed on the cluster: {first}"), False
+        except RayError as exc:  # a worker or a node died (after Ray's one retry elsewhere)
+            return ProbeResult(probe=spec.id, status=Status.error, environment_failure=True,
+                               reason=f"the worker running it died: {type(exc).__name__}: "
+                                      f"{str(exc).strip().splitlines()[0][:300]}"), False

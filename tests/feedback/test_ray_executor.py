@@ -1,0 +1,105 @@
+"""Probes on a real local Ray instance (two CPU workers, 127.0.0.1): the same results as local
+subprocesses, budgets enforced on the worker, the tree shipped by content, the cache kept by the
+driver, results stamped with where they ran."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is the optional [cluster] extra")
+
+from feedback.harness import judge  # noqa: E402
+from feedback.manifest import load_manifest  # noqa: E402
+from feedback.models import Status  # noqa: E402
+from feedback.ray_executor import RayExecutor, pack, unpack  # noqa: E402
+from feedback.runner import Runner  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with RayExecutor(num_cpus=2) as ex:
+        yield ex
+    assert not ray.is_initialized()  # the instance started for the executor is shut down with it
+
+
+def test_every_probe_ends_as_it_does_locally_and_says_where_it_ran(toy, cluster, tmp_path):
+    manifest = load_manifest(toy)
+    local = {r.probe: r for r in Runner(toy, manifest, use_cache=False, cache_dir=str(tmp_path / "a"))
+             .run(manifest.probes)}
+    remote = {r.probe: r for r in Runner(toy, manifest, use_cache=False, cache_dir=str(tmp_path / "b"),
+                                         executor=cluster).run(manifest.probes)}
+    assert {p: r.status for p, r in remote.items()} == {p: r.status for p, r in local.items()}
+    assert remote["toy.hangs"].status == Status.timeout and "process group killed" in remote["toy.hangs"].reason
+    assert remote["toy.ok"].metrics["marker"].value == 1.0  # the tree's own file, shipped by content
+    assert [f.location.file for f in remote["toy.located"].findings] == ["toy/merge.py"]
+    assert all(r.ran_on and r.ran_on.startswith("ray node ") for r in remote.values())
+    assert all(r.ran_on is None for r in local.values())
+
+
+def test_the_driver_keeps_the_cache_and_a_changed_tree_travels_again(toy, cluster, tmp_path):
+    manifest = load_manifest(toy)
+    specs = [manifest.probe("toy.ok")]
+    runner = Runner(toy, manifest, cache_dir=str(tmp_path / "cache"), executor=cluster)
+    first, = runner.run(specs)
+    again, = Runner(toy, manifest, cache_dir=str(tmp_path / "cache"), executor=cluster).run(specs)
+    assert not first.cached and again.cached and again.ran_on == first.ran_on
+    (toy / "toy" / "value.txt").write_text("2")  # another candidate: another tree, another pack
+    changed, = Runner(toy, manifest, cache_dir=str(tmp_path / "cache"), executor=cluster).run(specs)
+    assert not changed.cached and changed.metrics["marker"].value == 2.0
+
+
+def test_a_verdict_on_the_cluster_is_the_local_verdict(toy, cluster, tmp_path):
+    base = tmp_path / "base"
+    import shutil
+
+    shutil.copytree(toy, base, ignore=shutil.ignore_patterns(".git"))
+    (toy / "toy" / "probes.py").write_text((toy / "toy" / "probes.py").read_text().replace(
+        'ctx.metric("err", 0.5, better="lower")', 'ctx.metric("err", 1e-9, better="lower")'))
+    ids = ["toy.ok", "toy.bad"]
+    local = judge(toy, baseline_tree=base, probe_ids=ids, run_all=True, use_cache=False)
+    remote = judge(toy, baseline_tree=base, probe_ids=ids, run_all=True, use_cache=False, executor=cluster)
+    assert remote.verdict.name == local.verdict.name
+    assert [c.candidate for c in remote.comparisons] == [c.candidate for c in local.comparisons]
+
+
+def test_pack_leaves_out_our_state_and_unpack_is_idempotent(tmp_path):
+    tree = tmp_path / "t"
+    (tree / "pkg" / "__pycache__").mkdir(parents=True)
+    (tree / ".infra-agent").mkdir()
+    (tree / "pkg" / "a.py").write_text("x = 1\n")
+    (tree / "pkg" / "__pycache__" / "a.pyc").write_bytes(b"junk")
+    (tree / ".infra-agent" / "cache.json").write_text("{}")
+    digest, data = pack(tree)
+    assert pack(tree)[0] == digest  # by content: the same tree, the same key
+    out = unpack(digest, data)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == ["pkg/a.py"]
+    assert unpack(digest, data) == out
+    (tree / "pkg" / "a.py").write_text("x = 2\n")
+    assert pack(tree)[0] != digest
+    assert isinstance(out, pathlib.Path)
+
+
+def test_the_cli_judges_on_a_ray_instance_it_starts_and_stops(toy, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = ["--probe", "toy.ok", "--probe", "toy.bad", "--probe", "toy.located"]
+
+    def feedback(*extra):
+        out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "feedback", "--target", str(toy), *ids,
+                              "--all", "--json", "--no-cache", *extra], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "COLUMNS": "160"}, cwd=tmp_path)
+        return out, {r["probe"]: r for r in json.loads(out.stdout)["results"]}
+
+    out, remote = feedback("--executor", "ray")
+    assert out.returncode == 1, out.stderr[-2000:]  # toy.bad and toy.located fail, on the cluster as here
+    _, local = feedback()
+    assert {p: r["status"] for p, r in remote.items()} == {p: r["status"] for p, r in local.items()}
+    assert all(r["ran_on"].startswith("ray node") for r in remote.values())
+    bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "feedback", "--target", str(toy), "--address",
+                          "127.0.0.1:1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "--address names a Ray cluster" in bad.stderr
