@@ -118,8 +118,9 @@ class RayExecutor:
         except ImportError as exc:
             raise RuntimeError("--executor ray needs Ray: pip install -e '.[cluster]'") from exc
         self.ray = ray
-        self.owned = not ray.is_initialized()
-        if self.owned:
+        self.connected = not ray.is_initialized()  # this executor connected the driver (and disconnects it)
+        self.started = self.connected and address is None  # ... and started the instance (which stops with it)
+        if self.connected:
             kwargs = dict(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
             if address is None:
                 kwargs.update(num_cpus=num_cpus or os.cpu_count() or 2)
@@ -137,7 +138,8 @@ class RayExecutor:
         self.close()
 
     def close(self) -> None:
-        if self.owned and self.ray.is_initialized():
+        """Disconnect what this executor connected; a local instance it started stops, a cluster stays up."""
+        if self.connected and self.ray.is_initialized():
             self.ray.shutdown()
 
     def _tree(self, runner) -> tuple[str, object]:

@@ -51,9 +51,10 @@ def test_a_planted_key_appears_in_nothing_the_session_writes(tmp_path):
     review = _cli(["review", "list", "--target", str(root), "--json"], tmp_path)
     texts = {"run stdout": run.stdout, "run stderr": run.stderr, "replay": replay.stdout + replay.stderr,
              "review": review.stdout + review.stderr}
-    for path in [*tmp_path.rglob("*")]:
-        if path.is_file() and ".git" not in path.parts:
-            texts[str(path.relative_to(tmp_path))] = path.read_bytes().decode("utf-8", "replace")
+    for base in (tmp_path, state):  # the test's folder and the repository's state folder in the state home
+        for path in base.rglob("*"):
+            if path.is_file() and ".git" not in path.parts:
+                texts[str(path)] = path.read_bytes().decode("utf-8", "replace")
     repo = git.Repo(root)
     texts["commit messages"] = repo.git.log("--all", "--format=%B")
     assert (tmp_path / "replay.xml").is_file() and any("trajectory" in k for k in texts)

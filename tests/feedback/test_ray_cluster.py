@@ -1,0 +1,115 @@
+"""A two-node Ray cluster on this machine (a CPU-less head and two one-CPU workers, each its own
+raylet and resource pool, on the machine's own address: Ray's ``cluster_utils``), one worker node
+killed while it runs a probe: the probe is run again on the other node, the run goes on, and nothing
+of the dead node's probe is left running."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is the optional [cluster] extra")
+
+from feedback.manifest import load_manifest  # noqa: E402
+from feedback.models import Status  # noqa: E402
+from feedback.ray_executor import RayExecutor  # noqa: E402
+from feedback.runner import Runner  # noqa: E402
+
+PROBES = '''
+import os, time
+from feedback.probe import probe
+
+@probe
+def slow(ctx):
+    with open(ctx.params["marker"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(ctx.params["seconds"])
+    ctx.metric("slept", ctx.params["seconds"])
+
+@probe
+def quick(ctx):
+    ctx.metric("ok", 1.0)
+'''
+
+MANIFEST = '''
+schema_version: 1
+name: two-nodes
+probes:
+  - {{id: n.slow, kind: correctness, entry: "nodes.probes:slow", budget_s: 120,
+     params: {{marker: "{marker}", seconds: 6}}, covers: {{files: ["nodes/*.py"]}}}}
+  - {{id: n.quick, kind: correctness, entry: "nodes.probes:quick", covers: {{files: ["nodes/*.py"]}}}}
+'''
+
+
+def _parents(pid: int) -> list[int]:
+    out = []
+    while pid > 1 and len(out) < 8:
+        try:
+            pid = int(pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            break
+        out.append(pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _raylet(node) -> int:
+    return next(info.process.pid for name, infos in node.all_processes.items() if name == "raylet" for info in infos)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="walks /proc to find which node runs the probe")
+def test_a_node_killed_mid_probe_is_retried_on_the_other_and_the_run_goes_on(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    marker = tmp_path / "slow.pids"
+    tree = tmp_path / "t"
+    (tree / "nodes").mkdir(parents=True)
+    (tree / "nodes" / "__init__.py").write_text("")
+    (tree / "nodes" / "probes.py").write_text(PROBES)
+    (tree / "infra-agent.yaml").write_text(MANIFEST.format(marker=marker))
+    manifest = load_manifest(tree)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no probe
+    nodes = [cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)]
+    cluster.wait_for_nodes()
+    try:
+        with RayExecutor(address=cluster.address, grace_s=60) as ex:
+            assert ex.connected and not ex.started  # a cluster named by its address is joined, and left running
+            results: list = []
+            run = threading.Thread(target=lambda: results.extend(
+                Runner(tree, manifest, jobs=2, use_cache=False, cache_dir=str(tmp_path / "c"), executor=ex)
+                .run(manifest.probes)))
+            run.start()
+            t0 = time.time()
+            while not marker.exists() and time.time() - t0 < 120:
+                time.sleep(0.1)
+            first = int(marker.read_text().split()[0])
+            chain = _parents(first)
+            (victim,) = [n for n in nodes if _raylet(n) in chain]
+            cluster.remove_node(victim)  # the node running the slow probe dies mid-probe
+            run.join(timeout=300)
+            assert not run.is_alive()
+            by_id = {r.probe: r for r in results}
+            assert by_id["n.quick"].status == Status.passed  # the run went on
+            slow = by_id["n.slow"]
+            assert slow.status == Status.passed, (slow.status, slow.reason)  # run again, on the survivor
+            survivor = next(n for n in nodes if n is not victim)
+            assert survivor.node_id[:12] in slow.ran_on
+            assert len(marker.read_text().split()) == 2  # once on each node
+            deadline = time.time() + 10
+            while _alive(first) and time.time() < deadline:
+                time.sleep(0.2)
+            assert not _alive(first), "the dead node's probe process outlived it"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
