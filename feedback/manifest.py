@@ -87,6 +87,9 @@ class ProbeSpec(BaseModel):
     memory_mb: int | None = Field(None, gt=0, description="address-space limit of the probe process")
     thresholds: dict[str, Threshold] = Field(default_factory=dict)
     needs_gpu: bool = False
+    gpus: int | None = Field(None, ge=1, le=64, description="GPUs of one node the probe needs together (context "
+                             "parallelism over ranks, a disaggregated cluster): reserved as one placement group, "
+                             "strict pack, on a Ray cluster; locally, skipped where this machine has fewer")
     interpret: bool = Field(False, description="run under Triton's interpreter on the CPU even where a GPU is "
                             "present: for probes that count a kernel's work (feedback/workcount.py), never time it")
     repeats: int | None = Field(None, ge=1, le=100, description="runs of the probe per judgement (default: 3 for "

@@ -1,10 +1,11 @@
 """Probes on a Ray cluster: ``--executor ray [--address ADDR]``.
 
 Each probe run is a Ray task with the resources its manifest entry declares (one CPU; one GPU for a
-``needs_gpu`` probe).  On the worker it runs exactly as it does locally (``Runner.execute``: a
-subprocess in its own process group, killed at its budget, the interpreter and the emulation where
-there is no GPU), so the verdicts are the same; the result cache stays with the driver, keyed by
-content as before, and only misses travel.
+``needs_gpu`` probe; ``gpus: N`` GPUs of one node reserved together as a placement group, strict pack,
+or a skip that says the cluster has no node that large).  On the worker it runs exactly as it does
+locally (``Runner.execute``: a subprocess in its own process group, killed at its budget, the
+interpreter and the emulation where there is no GPU), so the verdicts are the same; the result cache
+stays with the driver, keyed by content as before, and only misses travel.
 
 * The tree travels by content: packed once per tree (a tar of its files, keyed by their hash), put
   in Ray's object store, unpacked once per node into ``$TMPDIR/infra-agent-ray/<hash>``.  A probe
@@ -156,11 +157,18 @@ class RayExecutor:
 
     def run(self, runner, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One probe on the cluster: (result, whether the probe itself reported it)."""
-        from ray.exceptions import GetTimeoutError, RayError, RayTaskError
-
         digest, ref = self._tree(runner)
         opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
-        if spec.kind in PERF_KINDS:
+        group = None
+        if spec.gpus:  # N GPUs of one node together: a placement group, strict pack, the task in its bundle
+            group, why = self._reserve(spec)
+            if group is None:
+                return ProbeResult(probe=spec.id, status=Status.skipped, reason=why), True
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts.update(num_gpus=spec.gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_capture_child_tasks=True))
+        elif spec.kind in PERF_KINDS:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.perf_node, soft=False)
@@ -168,6 +176,32 @@ class RayExecutor:
         fut = self._task.options(**opts).remote(digest, ref, runner.manifest.model_dump(), source,
                                                spec.model_dump(), runner.emulate, runner.extra_env)
         limit = spec.budget_s * repeats_for(spec.kind, spec.repeats) + self.grace_s
+        try:
+            return self._wait(fut, spec, limit)
+        finally:
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(group)
+
+    def _reserve(self, spec: ProbeSpec):
+        """(placement group of ``spec.gpus`` GPUs on one node, None) or (None, why it cannot be had)."""
+        from ray.util.placement_group import placement_group
+
+        largest = max((n.get("Resources", {}).get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")), default=0)
+        if largest < spec.gpus:
+            return None, f"needs {spec.gpus} GPUs on one node; the cluster's largest node has {largest:g}"
+        group = placement_group([{"GPU": spec.gpus, "CPU": 1}], strategy="STRICT_PACK")
+        if not group.wait(timeout_seconds=max(30.0, spec.budget_s)):
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(group)
+            return None, f"{spec.gpus} GPUs of one node were not free within {max(30.0, spec.budget_s):g}s"
+        return group, ""
+
+    def _wait(self, fut, spec: ProbeSpec, limit: float) -> tuple[ProbeResult, bool]:
+        from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+
         try:
             text, reported = self.ray.get(fut, timeout=limit)
             return ProbeResult.model_validate_json(text), reported

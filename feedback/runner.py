@@ -50,6 +50,16 @@ def gpu_present() -> bool:
     return pathlib.Path("/dev/nvidia0").exists() or pathlib.Path("/dev/nvidiactl").exists()
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` respected), counted without importing torch."""
+    if not gpu_present():
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
 def _version(dist: str) -> str | None:
     try:
         return md.version(dist)
@@ -214,8 +224,11 @@ class Runner:
     def execute(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """Run the probe here (``repeats`` times for the performance kinds): (result, whether the probe
         itself reported it).  An executor elsewhere (``feedback/ray_executor.py``) calls this on its worker."""
-        if spec.needs_gpu and not gpu_present():
+        if (spec.needs_gpu or spec.gpus) and not gpu_present():
             return ProbeResult(probe=spec.id, status=Status.skipped, reason="needs a GPU; none on this machine"), True
+        if spec.gpus and (have := gpu_count()) < spec.gpus:
+            return ProbeResult(probe=spec.id, status=Status.skipped,
+                               reason=f"needs {spec.gpus} GPUs together; this machine has {have}"), True
         runs, reported = [], True
         for _ in range(repeats_for(spec.kind, spec.repeats)):
             run, ok = (self._run_python(spec) if spec.entry or spec.bench else self._run_check(spec) if spec.check

@@ -113,3 +113,43 @@ def test_a_node_killed_mid_probe_is_retried_on_the_other_and_the_run_goes_on(tmp
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+GPU_MANIFEST = '''
+schema_version: 1
+name: ranks
+probes:
+  - {id: r.two, kind: correctness, entry: "nodes.probes:quick", gpus: 2, covers: {files: ["nodes/*.py"]}}
+  - {id: r.three, kind: correctness, entry: "nodes.probes:quick", gpus: 3, covers: {files: ["nodes/*.py"]}}
+'''
+
+
+def test_probes_that_need_several_gpus_of_one_node_reserve_them_together(tmp_path):
+    """A node with two (logical) GPUs: a probe needing 2 gets them as one placement group (strict pack), run
+    on that node, the group released after; one needing 3 is skipped with the reason, never left waiting."""
+    from ray.cluster_utils import Cluster
+    from ray.util import placement_group_table
+
+    tree = tmp_path / "t"
+    (tree / "nodes").mkdir(parents=True)
+    (tree / "nodes" / "__init__.py").write_text("")
+    (tree / "nodes" / "probes.py").write_text(PROBES)
+    (tree / "infra-agent.yaml").write_text(GPU_MANIFEST)
+    manifest = load_manifest(tree)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node = cluster.add_node(num_cpus=1, num_gpus=2)
+    cluster.wait_for_nodes()
+    try:
+        with RayExecutor(address=cluster.address) as ex:
+            results = {r.probe: r for r in Runner(tree, manifest, use_cache=False, cache_dir=str(tmp_path / "c"),
+                                                  executor=ex).run(manifest.probes)}
+            two, three = results["r.two"], results["r.three"]
+            assert two.ran_on and node.node_id[:12] in two.ran_on  # it ran, on the node with the GPUs
+            # (logical GPUs: the worker itself finds no device, and says so)
+            assert two.status == Status.skipped and "none on this machine" in two.reason
+            assert three.status == Status.skipped and three.ran_on is None
+            assert "needs 3 GPUs on one node; the cluster's largest node has 2" in three.reason
+            assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -117,3 +117,17 @@ def test_probes_get_no_credentials(toy, monkeypatch):
     monkeypatch.setenv("INFRA_AGENT_KEEP", "1")
     env = runner_mod.Runner(toy, load_manifest(toy)).env()
     assert "OPENAI_API_KEY" not in env and "HF_TOKEN" not in env and env["INFRA_AGENT_KEEP"] == "1"
+
+
+def test_a_probe_that_needs_more_gpus_than_the_machine_has_is_skipped_with_the_count(toy, monkeypatch):
+    import feedback.runner as runner_mod
+
+    manifest = load_manifest(toy)
+    ranks = manifest.probe("toy.ok").model_copy(update={"gpus": 4})
+    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    (r,) = runner_mod.Runner(toy, manifest, use_cache=False).run([ranks])
+    assert r.status.value == "skipped" and r.reason == "needs 4 GPUs together; this machine has 2"
+    monkeypatch.setattr(runner_mod, "gpu_present", lambda: False)
+    (r,) = runner_mod.Runner(toy, manifest, use_cache=False).run([ranks])
+    assert r.status.value == "skipped" and "none on this machine" in r.reason
