@@ -199,15 +199,26 @@ def _why(r: ProbeResult) -> str:
     return r.findings[0].message if r.findings else r.status.value
 
 
+def _device(r: ProbeResult) -> str:
+    """The device a result was measured on: the executor's stamp when it ran elsewhere, else the fingerprint."""
+    if r.ran_on and "(" in r.ran_on:
+        return r.ran_on.rsplit(",", 1)[-1].strip(" )")
+    return f"{r.environment.device} ({r.environment.mode})"
+
+
 def verdict(report: FeedbackReport) -> Verdict:
     """Correctness first, then performance; see the module docstring for the order."""
     base = {r.probe: r for r in report.baseline_results}
+    timed = {c.probe for c in report.comparisons if judged_by_performance(c.kind)}
     broke, fixed, broken, still = [], [], [], []
     for r in report.results:
         b = base.get(r.probe)
         b_status = b.status if b else None
         if r.environment_failure or (b is not None and b.environment_failure):
             broken.append(f"{r.probe} (environment: {_why(r if r.environment_failure else b)})")
+        elif r.probe in timed and b is not None and _device(r) != _device(b):
+            broken.append(f"{r.probe} (timed on {_device(r)} against a baseline timed on {_device(b)}: "
+                          "times of different devices are not compared)")
         elif r.status in _BAD and b_status in _BROKEN and r.status in _BROKEN:
             broken.append(f"{r.probe} ({r.status.value} on both sides: {_why(r)})")
         elif r.status in _BAD and b_status in _BAD:

@@ -95,6 +95,18 @@ def test_performance_worse_better_and_unchanged_by_the_noise_rule():
     assert same.name == "unchanged"
 
 
+def test_times_from_different_devices_are_never_compared():
+    on = lambda r, where: r.model_copy(update={"ran_on": where})  # noqa: E731
+    cand = on(result("t", ms=timed(5.0, 5.1, 4.9)), "ray node 1a2b (gpu-a, NVIDIA H200)")
+    base = on(result("t", ms=timed(10.0, 10.2, 9.9)), "ray node 3c4d (gpu-b, NVIDIA A100-SXM4-80GB)")
+    v = verdict(report([cand], [base]))
+    assert v.name == "inconclusive" and "timed on NVIDIA H200 against a baseline timed on NVIDIA A100" in v.reason
+    same = on(base, "ray node 5e6f (gpu-c, NVIDIA H200)")
+    assert verdict(report([cand], [same])).name == "better"  # another node, the same device model: compared
+    # a correctness probe's numbers are not times: where it ran does not matter
+    assert verdict(report([on(result("c"), "ray node 1 (a, cpu)")], [result("c")])).name == "unchanged"
+
+
 def test_one_run_of_a_performance_metric_is_not_evidence():
     d = compare_metric("ttft_ms", Metric(value=83.8, better="lower"), Metric(value=116.7, better="lower"), "e2e")
     assert d.verdict == "unchanged" and d.note == "one run is not evidence"
