@@ -85,6 +85,34 @@ def _tail(text: str | bytes | None) -> str:
     return text[-TAIL:]
 
 
+class _Tail:
+    """Reads a pipe to its end on a thread, keeping only the last ``TAIL`` characters' worth of bytes
+    (and how many were dropped), so a probe that prints without end neither blocks nor fills memory."""
+
+    def __init__(self, pipe):
+        self.pipe, self.kept, self.dropped = pipe, bytearray(), 0
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        keep = 4 * TAIL  # bytes: room for multi-byte characters
+        try:
+            while chunk := self.pipe.read1(1 << 16) if hasattr(self.pipe, "read1") else self.pipe.read(1 << 16):
+                self.kept += chunk
+                if len(self.kept) > 2 * keep:
+                    self.dropped += len(self.kept) - keep
+                    del self.kept[:-keep]
+        except (OSError, ValueError):
+            pass
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def text(self) -> str:
+        body = _tail(bytes(self.kept))
+        return f"[{self.dropped} earlier bytes of output not kept]\n{body}" if self.dropped else body
+
+
 class EnvironmentFailure(RuntimeError):
     """The harness or the machine could not run a probe; reported as an error never blamed on a candidate."""
 
@@ -269,24 +297,27 @@ class Runner:
             os.close(wfd)
             reader.start()
         self._live.add(proc)
+        out, err = _Tail(proc.stdout), _Tail(proc.stderr)  # bounded: a probe printing gigabytes costs nothing
         try:
-            out, err = proc.communicate(timeout=spec.budget_s)
+            proc.wait(timeout=spec.budget_s)
             self._live.discard(proc)
+            out.join(), err.join()
             if reader is not None:
                 reader.join(timeout=5)
-            return proc.returncode, _tail(out), _tail(err), time.perf_counter() - t0, False
+            return proc.returncode, out.text(), err.text(), time.perf_counter() - t0, False
         except subprocess.TimeoutExpired:
             self._kill_group(proc)
         except BaseException:  # Ctrl-C in the harness: the probe's process group dies with it
             self._kill_group(proc)
             raise
         try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - pipes held by an escaped grandchild
-            out, err = b"", b""
+            proc.wait(timeout=10)
+            out.join(timeout=10), err.join(timeout=10)  # pipes held by an escaped grandchild: give up on them
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
+            pass
         finally:
             self._live.discard(proc)
-        return None, _tail(out), _tail(err), time.perf_counter() - t0, True
+        return None, out.text(), err.text(), time.perf_counter() - t0, True
 
     @staticmethod
     def _kill_group(proc: subprocess.Popen) -> None:

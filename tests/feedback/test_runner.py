@@ -131,3 +131,45 @@ def test_a_probe_that_needs_more_gpus_than_the_machine_has_is_skipped_with_the_c
     monkeypatch.setattr(runner_mod, "gpu_present", lambda: False)
     (r,) = runner_mod.Runner(toy, manifest, use_cache=False).run([ranks])
     assert r.status.value == "skipped" and "none on this machine" in r.reason
+
+
+LOUD = '''
+import sys
+from feedback.probe import probe
+
+@probe
+def loud(ctx):
+    line = ("x" * 1023 + "\\n").encode()
+    for _ in range(ctx.params["megabytes"] * 1024):
+        sys.stdout.buffer.write(line)
+    sys.stdout.flush()
+    ctx.metric("ok", 1.0)
+'''
+
+
+def test_a_probe_that_prints_a_gigabyte_is_read_to_its_end_and_only_its_tail_kept(tmp_path):
+    import resource
+
+    from feedback.manifest import parse_manifest
+
+    root = tmp_path / "loud"
+    (root / "ld").mkdir(parents=True)
+    (root / "ld" / "__init__.py").write_text("")
+    (root / "ld" / "probes.py").write_text(LOUD)
+    text = ("schema_version: 1\nname: loud\nprobes:\n  - {id: l, kind: correctness, entry: 'ld.probes:loud', "
+            "params: {megabytes: 1024}, budget_s: 120, covers: {files: ['ld/*.py']}}\n")
+    (root / "infra-agent.yaml").write_text(text)
+    manifest = parse_manifest(text)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    (r,) = _run_all(root, manifest)
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert r.status.value == "pass", (r.reason, r.stderr[-500:])
+    assert r.stdout.startswith("[") and "earlier bytes of output not kept" in r.stdout.splitlines()[0]
+    assert len(r.stdout) < 4200 and r.stdout.rstrip().endswith("x" * 100)
+    assert grew_mb < 200, f"the harness kept {grew_mb:.0f} MB of a probe's output"
+
+
+def _run_all(root, manifest):
+    from feedback.runner import Runner
+
+    return Runner(root, manifest, use_cache=False, cache_dir=str(root.parent / "cache")).run(manifest.probes)
