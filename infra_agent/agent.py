@@ -21,7 +21,9 @@ from feedback.verdict import evidence, verdict
 from infra_agent import Backend, Workspace, gate
 from infra_agent.exceptions import FormatError, LimitsExceeded, Submitted
 from infra_agent.experiments import attempt_record, new_id, write_record
+from infra_agent.limits import Limits
 from infra_agent.patch import Patch, PatchError
+from infra_agent.prefetch import judge_ahead
 from infra_agent.review import ReviewQueue
 from infra_agent.tools import Action, Environment, render_report
 from infra_agent.trajectory import Trajectory
@@ -55,16 +57,6 @@ class AgentState:
     rejected_playbooks: list[str] = dataclasses.field(default_factory=list)  # by reviewers, earlier sessions
 
 
-@dataclasses.dataclass
-class Limits:
-    max_steps: int = 20
-    time_limit_s: float = 1800.0
-    max_cost_usd: float = 5.0
-    max_tokens: int = 2_000_000
-    max_format_errors: int = 3
-
-
-
 SYSTEM_PROMPT = """You are a performance and correctness engineer working on an LLM inference stack.
 A harness judges every change you propose with local probes (correctness against float64
 references, microbenchmarks, traces, runtime events, serving metrics) and tells you exactly which
@@ -73,7 +65,6 @@ state a hypothesis, propose the smallest patch that tests it (a unified diff aga
 target root), read the verdict, and iterate. Probes, references, tests and the manifest are
 protected: a patch touching them is refused. Patches touching numerics, concurrency or production
 behaviour are held for a human reviewer. Call finish when nothing the feedback flags is left."""
-
 
 
 class Agent:
@@ -127,7 +118,8 @@ class Agent:
                 self.initial = self.feedback
                 self._open()
             while True:
-                self._check_limits()
+                self.limits.check(self.step, time.monotonic() - self.started, self.usage)
+                judge_ahead(self)  # --parallel N: the next candidates judged together (infra_agent/prefetch.py)
                 self.step += 1
                 self._one_step()
         except Submitted as s:
@@ -162,17 +154,6 @@ class Agent:
         message = {"role": "user", "content": text}
         self.messages.append(message)
         self.trajectory.write({"step": self.step, **message})
-
-    def _check_limits(self) -> None:
-        lim = self.limits
-        if self.step >= lim.max_steps:
-            raise LimitsExceeded(f"step limit {lim.max_steps} reached")
-        if time.monotonic() - self.started > lim.time_limit_s:
-            raise LimitsExceeded(f"time limit {lim.time_limit_s:g}s reached")
-        if self.usage["cost_usd"] > lim.max_cost_usd:
-            raise LimitsExceeded(f"cost limit ${lim.max_cost_usd:g} reached")
-        if self.usage["prompt_tokens"] + self.usage["completion_tokens"] > lim.max_tokens:
-            raise LimitsExceeded(f"token limit {lim.max_tokens} reached")
 
     def state(self) -> AgentState:
         return AgentState(goal=self.goal, messages=self.messages, feedback=self.feedback,

@@ -555,6 +555,8 @@ def run(
     executor: str = typer.Option("local", "--executor", help="local (subprocesses here) or ray"),
     address: str = typer.Option(None, "--address", help="with --executor ray: an existing cluster (default: a "
                                                         "local Ray instance for the session)"),
+    parallel: int = typer.Option(1, "--parallel", min=1, help="judge up to N of the backend's next candidate "
+                                                             "patches together, ahead (decisions stay sequential)"),
     resume: str = typer.Option(None, "--resume", metavar="SESSION",
                                help="go on with a session that was killed or stopped (`infra-agent sessions list`): "
                                     "its branch, attempts and conversation; --max-steps more steps"),
@@ -590,7 +592,7 @@ def run(
     summaries: list[dict] = []
     with _executor(executor, address, jobs) as ex:
         _run_sessions(chosen, summaries, target, manifest_file, backend, model, base_url, trajectory, goal,
-                      max_steps, time_limit, jobs, as_json, ex)
+                      max_steps, time_limit, jobs, as_json, ex, parallel)
     outcome = summaries[-1]["outcome"] if summaries else "finished"
     if as_json:
         print(json.dumps(summaries[0] if len(chosen) == 1 else summaries, indent=2, default=str))
@@ -601,7 +603,7 @@ def run(
 
 
 def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base_url, trajectory, goal, max_steps,
-                  time_limit, jobs, as_json, ex) -> None:
+                  time_limit, jobs, as_json, ex, parallel: int = 1) -> None:
     """One session per scenario (or one on the target), their summaries appended as they end."""
     import pathlib
 
@@ -628,7 +630,8 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
         task = goal or (sc.goal.strip() if sc else DEFAULT_GOAL)
         ws.update_meta(goal=task, backend=backend, model=getattr(be, "model", None), base_url=base_url,
                        trajectory=trajectory)
-        outcome, summary = run_session(ws, be, task, Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
+        limits = Limits(max_steps=max_steps, time_limit_s=time_limit, parallel=parallel)
+        outcome, summary = run_session(ws, be, task, limits, jobs=jobs,
                                        on_event=None if as_json else print_event(console), scenario=sc,
                                        executor=ex)
         summaries.append(summary)

@@ -54,6 +54,22 @@ class OfflineBackend:
                    + (" " + " ".join(notes) if notes else ""))
         return Action("finish", {"summary": summary})
 
+    def peek(self, state: AgentState, n: int) -> list[Action]:
+        """The next ``n`` proposals this policy would make against the current feedback, without making
+        them (``infra-agent run --parallel N`` judges them ahead, together; the diffs are deterministic,
+        so the proposals made afterwards are the same trees, and their judgements come from the cache)."""
+        tried = self._tried | {a.playbook for a in state.attempts if a.playbook} | set(state.rejected_playbooks)
+        out = []
+        for pb in self.library.values():
+            if len(out) >= n:
+                break
+            if pb.id in tried or pb.transformation.transform is None:
+                continue
+            app = evaluate(pb, state.feedback, state.tree)
+            if app.applies and (diff := self._diff(pb, app)).strip():
+                out.append(Action("propose_patch", {"hypothesis": pb.title, "diff": diff, "playbook_id": pb.id}))
+        return out
+
     def _diff(self, pb: Playbook, app) -> str:
         scratch = self.ws.new_candidate()
         try:
