@@ -95,14 +95,20 @@ def where() -> str:
     return f"ray node {node[:12]} ({socket.gethostname()}, {device})"
 
 
-def probe_task(digest: str, data: bytes, manifest: dict, source: str | None, spec: dict, emulate: bool,
+def probe_task(digest: str, data: bytes, manifest: dict, roots: list[tuple[str, bytes]], spec: dict, emulate: bool,
                extra_env: dict[str, str]) -> tuple[str, bool]:
-    """On a Ray worker: one probe, as the local runner would run it.  (result JSON, reported)"""
+    """On a Ray worker: one probe, as the local runner would run it.  (result JSON, reported)
+
+    ``roots``: the manifest's ``probe_path`` folders, packed like the tree (a manifest kept outside the
+    target travels with its probe modules)."""
+    import ray
+
     from feedback.runner import Runner
 
     tree = unpack(digest, data)
+    nested = [(d, ray.get(b) if isinstance(b, ray.ObjectRef) else b) for d, b in roots]  # not resolved by Ray
+    manifest = {**manifest, "probe_path": [str(unpack(d, b)) for d, b in nested]}  # absolute: resolved as given
     m = Manifest.model_validate(manifest)
-    m._source = source
     cache = pathlib.Path(tempfile.gettempdir()) / "infra-agent-ray" / "triton" / str(os.getpid())
     env = {"TRITON_CACHE_DIR": str(cache), **extra_env}
     result, reported = Runner(tree, m, jobs=1, use_cache=False, emulate=emulate, extra_env=env).execute(
@@ -143,21 +149,26 @@ class RayExecutor:
         if self.connected and self.ray.is_initialized():
             self.ray.shutdown()
 
-    def _tree(self, runner) -> tuple[str, object]:
-        """The runner's tree in the object store: packed once per runner (a judgement's tree does not change
-        while its probes run; the next candidate at the same path is another runner), put once per content."""
+    def _put(self, folder: pathlib.Path) -> tuple[str, object]:
+        digest, data = pack(folder)
+        if digest not in self._trees:
+            self._trees[digest] = self.ray.put(data)
+        return digest, self._trees[digest]
+
+    def _tree(self, runner) -> tuple[str, object, list]:
+        """The runner's tree and the manifest's probe_path folders in the object store: packed once per
+        runner (a judgement's tree does not change while its probes run; the next candidate at the same
+        path is another runner), put once per content."""
         with self._lock:
             packed = getattr(runner, "_ray_pack", None)
             if packed is None:
-                digest, data = pack(runner.tree)
-                if digest not in self._trees:
-                    self._trees[digest] = self.ray.put(data)
-                packed = runner._ray_pack = (digest, self._trees[digest])
+                packed = runner._ray_pack = (*self._put(runner.tree),
+                                             [self._put(r) for r in runner.manifest.probe_roots() if r.is_dir()])
             return packed
 
     def run(self, runner, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One probe on the cluster: (result, whether the probe itself reported it)."""
-        digest, ref = self._tree(runner)
+        digest, ref, roots = self._tree(runner)
         opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
         group = None
         if spec.gpus:  # N GPUs of one node together: a placement group, strict pack, the task in its bundle
@@ -172,8 +183,7 @@ class RayExecutor:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.perf_node, soft=False)
-        source = str(runner.manifest.source) if runner.manifest.source else None
-        fut = self._task.options(**opts).remote(digest, ref, runner.manifest.model_dump(), source,
+        fut = self._task.options(**opts).remote(digest, ref, runner.manifest.model_dump(), roots,
                                                spec.model_dump(), runner.emulate, runner.extra_env)
         limit = spec.budget_s * repeats_for(spec.kind, spec.repeats) + self.grace_s
         try:

@@ -103,3 +103,24 @@ def test_the_cli_judges_on_a_ray_instance_it_starts_and_stops(toy, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "feedback", "--target", str(toy), "--address",
                           "127.0.0.1:1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "--address names a Ray cluster" in bad.stderr
+
+
+def test_a_manifest_kept_outside_the_tree_travels_with_its_probe_modules(tmp_path, cluster):
+    judges = tmp_path / "judges"
+    judges.mkdir()
+    (judges / "outside_probes.py").write_text(
+        "import os\nfrom feedback.probe import probe\n\n@probe\ndef here(ctx):\n"
+        "    ctx.metric('from_tree', float(open(os.path.join(ctx.tree, 'v.txt')).read()))\n"
+        "    ctx.metric('probe_file_len', float(len(open(__file__).read())))\n")
+    (judges / "m.yaml").write_text("schema_version: 1\nname: outside\nprobe_path: ['.']\nprobes:\n"
+                                   "  - {id: o.here, kind: correctness, entry: 'outside_probes:here', "
+                                   "covers: {files: ['v.txt']}}\n")
+    tree = tmp_path / "t"
+    tree.mkdir()
+    (tree / "v.txt").write_text("7")
+    manifest = load_manifest(tree, judges / "m.yaml")
+    (r,) = Runner(tree, manifest, use_cache=False, cache_dir=str(tmp_path / "c"), executor=cluster).run(
+        manifest.probes)
+    assert r.status == Status.passed, (r.reason, r.stderr[-1500:])
+    assert r.metrics["from_tree"].value == 7.0 and r.ran_on.startswith("ray node")
+    assert r.metrics["probe_file_len"].value == len((judges / "outside_probes.py").read_text())
