@@ -60,7 +60,10 @@ def gil_blocked(events: list[dict], start: str = "dispatch.enter", end: str = "d
 
 
 def read_events(path: str | os.PathLike) -> list[dict]:
-    """Events from a JSONL file; a torn last line (a killed writer) is skipped, not an error."""
+    """Events from a JSONL file; a torn last line (a killed writer) is skipped, not an error.
+
+    With ``--trace-dir`` (``INFRA_AGENT_TRACE_DIR``) they are also written there as a Chrome/Perfetto
+    trace, threads named (``feedback/perfetto.py``): whatever a probe reads, a person can look at."""
     out = []
     with open(path) as f:
         for line in f:
@@ -68,6 +71,9 @@ def read_events(path: str | os.PathLike) -> list[dict]:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+    from feedback import perfetto
+
+    perfetto.export(out, source=os.path.basename(path))
     return out
 
 

@@ -47,6 +47,7 @@ def main(argv: list[str]) -> int:
         from feedback import timing
 
         timing.arm()
+    os.environ["INFRA_AGENT_PROBE_ID"] = request["probe"]  # names what the probe exports (traces)
     ctx = ProbeContext(request["probe"], request.get("params", {}), str(tree))
     clock = time.perf_counter  # bound before the tree under test is imported
     t0 = clock()
