@@ -462,6 +462,41 @@ def review_show(item_id: int = typer.Argument(..., metavar="ID"), target: str = 
         print(item.model_dump_json(indent=2))
     else:
         _render_item(item)
+        page = _state(target).session(item.session) / "report.html"
+        if page.is_file():
+            console.print(f"report: {page}", highlight=False)
+
+
+@app.command()
+def report(
+    session: str = typer.Argument(None, help="a session id (default: the latest of the target)"),
+    target: str = typer.Option(None, "--target", help="the repository (default: the bundled target here)"),
+    html_file: str = typer.Option(None, "--html", help="where to write the page (default: the session's report.html)"),
+    experiments: str = typer.Option(None, "--experiments", help="a folder of experiment records instead of a session"),
+) -> None:
+    """One self-contained HTML page: the goal, the baseline's feedback, every attempt with its plots."""
+    import pathlib
+
+    from infra_agent.report import records_report, session_report
+    from infra_agent.workspace import list_sessions
+
+    if experiments:
+        folder = pathlib.Path(experiments)
+        if not folder.is_dir():
+            fail(f"--experiments {experiments}: no such folder")
+        text, default = records_report(folder), folder / "report.html"
+    else:
+        sessions = list_sessions(pathlib.Path(target) if target else None)
+        chosen = [s for s in sessions if s["session"] == session] if session else sessions[-1:]
+        if not chosen:
+            fail(f"no session {session!r}" if session else "no sessions yet (infra-agent run starts one)")
+        state = _state(target)
+        text = session_report(pathlib.Path(chosen[0]["dir"]), state.experiments)
+        default = pathlib.Path(chosen[0]["dir"]) / "report.html"
+    out = pathlib.Path(html_file) if html_file else default
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    console.print(f"[green]wrote[/] {out}", highlight=False)
 
 
 @review_app.command("approve")

@@ -56,6 +56,7 @@ class ProbeRecord(BaseModel):
     id: str
     kind: str
     result: ProbeResult
+    baseline: ProbeResult | None = None  # the same probe on the attempt's baseline, for the report's plots
 
 
 class ExperimentRecord(BaseModel):
@@ -150,8 +151,9 @@ def attempt_record(attempt: Attempt, ws: Workspace, base_commit: str, backend: s
         id=new_id(ws.session, attempt.step), time=now(), target=ws.target_label, scenario=ws.scenario,
         base=Base(**ws.base_spec(base_commit)), hypothesis=attempt.hypothesis, playbook=attempt.playbook,
         diff=attempt.diff, risk=attempt.risk,
-        probes=[ProbeRecord(id=r.probe, kind=kinds.get(r.probe, "?"),
-                            result=r.model_copy(update={"stdout": "", "stderr": r.stderr[-1000:]}))
+        probes=[ProbeRecord(id=r.probe, kind=kinds.get(r.probe, "?"), result=_lean(r),
+                            baseline=_lean(base.get(r.probe)))
+                for base in [{b.probe: b for b in (report.baseline_results if report else [])}]
                 for r in (report.results if report else [])],
         acceptance=[c.model_dump() for c in (report.acceptance if report else [])],
         judges=dict(report.hashes) if report else {},
@@ -160,6 +162,11 @@ def attempt_record(attempt: Attempt, ws: Workspace, base_commit: str, backend: s
                           commit=attempt.commit, branch=attempt.branch),
         backend=backend, model=model, trajectory=ws.state.relative(trajectory),
         manifest=str(ws.manifest_file) if getattr(ws, "manifest_file", None) else None)
+
+
+def _lean(r: ProbeResult | None) -> ProbeResult | None:
+    """A result as a record keeps it: no stdout, the last 1000 characters of stderr."""
+    return r.model_copy(update={"stdout": "", "stderr": r.stderr[-1000:]}) if r is not None else None
 
 
 def new_id(session: str, step: int) -> str:

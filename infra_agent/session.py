@@ -97,6 +97,13 @@ def run_session(ws, backend, goal: str, limits: Limits, jobs: int = 2, on_event=
     finally:
         ws.close()
     (ws.state_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    try:  # the page a reviewer opens (infra-agent review show ID names it)
+        from infra_agent.report import session_report
+
+        (ws.state_dir / "report.html").write_text(session_report(ws.state_dir, ws.state.experiments))
+        summary["report"] = str(ws.state_dir / "report.html")
+    except Exception as exc:  # noqa: BLE001 - a report that cannot be drawn never costs the session
+        summary["report_error"] = str(exc)
     return outcome, summary
 
 
