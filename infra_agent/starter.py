@@ -116,7 +116,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         elif any(rel.startswith(p + "/") for p in inv.packages) and (names := _kernel_names(tree)):
             inv.kernel_files.append(rel)
             inv.kernels[rel] = names
-        if re.search(r"(^|/)(bench|benchmarks?)(/|_)|(^|/)bench_\w+\.py$", rel) and not _is_test(rel):
+        if re.search(r"(^|/)(bench|benchmarks?)(/|_|\.py$)", rel) and not _is_test(rel):
             inv.bench_files.append(rel)
         if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
             inv.references.append(rel)
