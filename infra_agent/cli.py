@@ -415,8 +415,18 @@ def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target")
             continue
         item = q.get(int(choice))
         _render_item(item)
+        page = _state(target).session(item.session) / "report.html"  # the session's pictures, if it drew them
+        if page.is_file():
+            console.print(f"report: {page}", highlight=False)
         # "\[": literal brackets; "[a]" alone is rich markup and vanished ("pprove, eject, kip")
-        act = Prompt.ask(r"\[a]pprove, \[r]eject, \[s]kip", choices=["a", "r", "s"], default="s")
+        act = Prompt.ask(r"\[a]pprove, \[r]eject, \[s]kip" + (r", \[o]pen the report" if page.is_file() else ""),
+                         choices=["a", "r", "s", *(["o"] if page.is_file() else [])], default="s")
+        if act == "o":
+            import webbrowser
+
+            if not webbrowser.open(page.as_uri()):
+                console.print(f"no browser here: open {page}", highlight=False)
+            continue
         if act == "a":
             comment = Prompt.ask("comment (optional)", default="")
             try:
