@@ -320,10 +320,10 @@ def dangling(manifest: Manifest, root: str | pathlib.Path) -> list[str]:
                 out.append(f"{p.id}: pytest {node!r}: no such file")
         if p.entry:
             mod = p.entry.split(":")[0].replace(".", "/")
-            if not any((root / r / f"{mod}.py").is_file() or (root / r / mod / "__init__.py").is_file()
-                       for r in manifest.python_path):
-                out.append(f"{p.id}: entry module {p.entry.split(':')[0]!r} is not in the tree "
-                           f"(python_path {manifest.python_path})")
+            homes = [*(root / r for r in manifest.python_path), *manifest.probe_roots()]
+            if not any((home / f"{mod}.py").is_file() or (home / mod / "__init__.py").is_file() for home in homes):
+                out.append(f"{p.id}: entry module {p.entry.split(':')[0]!r} is neither in the tree (python_path "
+                           f"{manifest.python_path}) nor in the manifest's probe_path")
         for path in p.params.get("paths", []) if p.check else []:
             if not (root / path).exists():
                 out.append(f"{p.id}: check path {path!r} does not exist")

@@ -1,0 +1,82 @@
+"""Microbenchmarks of flash-linear-attention's KDA kernels at the shapes a server runs (GPU only).
+
+``decode_bench``: one pooled decode step (``fused_recurrent_kda_fwd``, the state updated in place in a
+pool of slots, q/k normalised in the kernel) for ``batch`` sequences, H=32, K=V=128; ``prefill_bench``:
+``chunk_kda`` over ``T`` tokens.  Both are timed by the harness (``ctx.timed``: fresh inputs for every
+timed call, outputs re-checked after timing against the float64 KDA recurrence of this project's
+reference, a roofline floor at the copy bandwidth measured beside them), and report the bandwidth of
+their compulsory bytes against that copy.  The kernels come from the tree under test; the float64
+reference from ``target_stack`` (the bundled target's, whose conventions fla's kernels were checked
+against side by side on the H200, bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from feedback.probe import ProbeContext, probe
+
+
+def _inputs(batch: int, T: int, H: int, K: int, V: int):
+    from target_stack.ops.kda.testing import make_inputs
+
+    q, k, v, g, beta = make_inputs(batch, T, H, K, V, dtype=torch.bfloat16, device="cuda", decay_shift=3.0)
+    return q, k, v, g.float(), beta.float()
+
+
+@probe(kind="microbench")
+def decode_bench(ctx: ProbeContext) -> None:
+    if not torch.cuda.is_available():
+        ctx.skip("timings need a GPU")
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from target_stack.ops.kda import naive_recurrent_kda
+    from target_stack.ops.kda.testing import rel_err
+
+    p = ctx.params
+    B, H, K, V = p["batch"], p.get("H", 32), p.get("K", 128), p.get("V", 128)
+    slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
+
+    def make(i: int):
+        return (*_inputs(B, 1, H, K, V), torch.randn(B + 1, H, K, V, device="cuda") * 0.1)
+
+    def step(q, k, v, g, beta, pool):
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                       ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
+
+    def check(before, after, out) -> float:
+        q, k, v, g, beta, pool = before
+        qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k))
+        ro, rs = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=pool[1:].double(),
+                                     output_final_state=True)
+        o = out[0] if isinstance(out, tuple) else out
+        return max(rel_err(after[-1][1:], rs), rel_err(o, ro) / 30)  # the state fp32, the output bf16
+
+    nbytes = 2 * B * H * K * V * 4 + B * H * (3 * K * 2 + K * 2 + 2 * V * 2)
+    t = ctx.timed("step", make=make, call=step, check=check, bytes_moved=nbytes,
+                  file="fla/ops/kda/fused_recurrent.py", symbol="fused_recurrent_kda_fwd", condition=f"batch {B}")
+    ctx.metric("bandwidth_vs_copy", nbytes / t.median_s / t.copy_bytes_per_s, better="higher")
+
+
+@probe(kind="microbench")
+def prefill_bench(ctx: ProbeContext) -> None:
+    if not torch.cuda.is_available():
+        ctx.skip("timings need a GPU")
+    from fla.ops.kda.chunk import chunk_kda
+
+    from target_stack.ops.kda import naive_chunk_kda
+    from target_stack.ops.kda.testing import rel_err
+
+    p = ctx.params
+    T, H, K, V = p["T"], p.get("H", 16), p.get("K", 128), p.get("V", 128)
+
+    def check(before, after, out) -> float:
+        ro, rs = naive_chunk_kda(*(x.double() for x in before), output_final_state=True)
+        return max(rel_err(out[0], ro) / 30, rel_err(out[1], rs))
+
+    nbytes = T * H * (2 * K * 2 + K * 4 + 2 * V * 2 + 4)
+    t = ctx.timed("prefill", make=lambda i: _inputs(1, T, H, K, V), reps=10, check=check, bytes_moved=nbytes,
+                  call=lambda *x: chunk_kda(*x, output_final_state=True), file="fla/ops/kda/chunk.py",
+                  symbol="chunk_kda", condition=f"T={T}")
+    ctx.metric("tokens_per_s", T / t.median_s, unit="tok/s", better="higher")
+    ctx.metric("bandwidth_vs_copy", nbytes / t.median_s / t.copy_bytes_per_s, better="higher")
