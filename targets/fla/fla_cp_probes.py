@@ -119,7 +119,8 @@ def merge_growth(ctx: ProbeContext) -> None:
         floor = max(rel_err(reference(ag, ranks, torch.float32), exact), 1e-9)  # fp32 arithmetic's own error
         errs.append(ctx.metric(f"err_p{ranks}", err, better="lower"))
         excess.append(ctx.metric(f"excess_p{ranks}", err / floor, unit="x", better="lower"))
-    ctx.metric("error_growth", errs[-1] / max(errs[0], 1e-12), unit="x", better="lower")
+    # (no raw growth of the error: a plain fp32 chain's error grows with its length too, ~17x from 2 to 32
+    # ranks here, so the excess over fp32 at each length is what tells a lower precision)
     worst = ctx.metric("excess_over_fp32", max(excess), unit="x", better="lower")
     at = chains[excess.index(worst)]
     ctx.check(worst <= p.get("max_excess", 100.0),
