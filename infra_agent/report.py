@@ -27,6 +27,7 @@ from feedback.verdict import judged_by_performance, ratio_interval
 from infra_agent import svg
 from infra_agent.experiments import ExperimentRecord, RecordError, load_record
 
+PERCENTILES = {"50", "75", "90", "95", "99", "999"}
 _SIZE = re.compile(r"^(?P<base>.*?)_?(?P<dim>p|P|T|t|batch|ranks|len|n)(?P<n>\d+)$")
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;color:#24292f;max-width:1100px;margin:2em auto;padding:0 1em}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #d0d7de}
@@ -47,6 +48,8 @@ def size_series(results: dict[str, tuple]) -> list[str]:
         for side, r in (("candidate", cand), ("baseline", base)):
             for name, m in (r.metrics.items() if r else []):
                 hit = _SIZE.match(name)
+                if hit and hit["dim"].lower() == "p" and hit["n"] in PERCENTILES:
+                    continue  # ttft_ms_p99 is a percentile, not 99 partitions
                 if hit and hit["base"] and m.value == m.value and m.value < float("inf"):
                     groups[(hit["base"], hit["dim"])][side].append((float(hit["n"]), m.value))
         for (base_name, dim), series in groups.items():

@@ -95,3 +95,19 @@ def test_a_sessions_report_draws_its_evidence_and_opens_in_a_browser(tmp_path):
                          timeout=120).stdout
     assert dom.count("<svg") >= 3 and dom.count('class="point"') >= 9  # the plots are there, with their data
     assert 'class="series"' in dom and 'class="bar"' in dom
+
+
+def test_the_committed_records_make_one_page(tmp_path):
+    """``report --experiments``: what CI replays, drawn: every committed record, with its plots."""
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    records = sorted((repo / "experiments").glob("*.yaml"))
+    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "report", "--experiments", str(repo / "experiments"),
+                          "--html", str(tmp_path / "x.html")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "x.html").read_text()
+    assert f"{len(records)} record(s)" in text
+    assert all(f'id="{r.stem}"' in text for r in records)
+    assert "kda.cp.merge: err against p" in text  # the cp-tf32 fix: error against partitions, before and after
+    bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "report", "--experiments", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no such folder" in bad.stderr
