@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -183,6 +184,18 @@ def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Pa
     return sorted(out)
 
 
+# CPython 3.11's AST constructor keeps its recursion depth per interpreter, not per thread: two threads
+# parsing at once fail at random ("SystemError: AST constructor recursion depth mismatch"), and the runner
+# runs static checks in its own threads.  One parse at a time.
+_PARSE = threading.Lock()
+
+
+def parse(source: str, filename: str) -> ast.Module:
+    """``ast.parse``, safe to call from several threads at once."""
+    with _PARSE:
+        return ast.parse(source, filename=filename)
+
+
 def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = None,
               **options) -> tuple[str, int, list[Site]]:
     """(metric name, count, sites) of the built-in check ``name`` over ``paths`` of the tree ``root``."""
@@ -194,7 +207,7 @@ def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = Non
     for f in python_files(root, paths):
         rel = f.relative_to(root).as_posix()
         try:
-            tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"), filename=rel)
+            tree = parse(f.read_text(encoding="utf-8", errors="replace"), rel)
         except SyntaxError as exc:
             unreadable.append(Site(rel, exc.lineno or 0, None, f"does not parse: {exc.msg}"))
             continue

@@ -211,7 +211,12 @@ class GitWorkspace:
                 raise ValueError("the diff does not apply: " + (proc.stderr.strip().splitlines() or ["?"])[0])
 
     def diff(self, cand: Candidate) -> str:
-        out = git.Repo(cand.path).git.diff(cand.base)
+        """Every change in the candidate's tree against its base, new files included.  Staged first and
+        compared from the index: a file rewritten in the second its worktree was checked out can look
+        unchanged to a stat-based ``git diff`` of the working tree."""
+        wt = git.Repo(cand.path)
+        wt.git.add(A=True)
+        out = wt.git.diff("--cached", cand.base)
         return out + "\n" if out else ""  # GitPython strips the final newline a patch needs
 
     def accept(self, cand: Candidate, message: str) -> str:

@@ -185,3 +185,16 @@ def test_the_fp32_dots_of_flash_linear_attention_before_and_after_its_cp_fix(tmp
                                          "pre_process_bwd_kernel_merged"}
     after = _wheel(tmp_path, "fla-core==0.6.0")
     assert run_check("dot_precision", after, ["fla/ops/cp"])[1] == 0
+
+
+def test_checks_run_from_many_threads_at_once(tmp_path):
+    """The runner runs static checks in its own threads; CPython 3.11's AST constructor is not safe for
+    concurrent parses interrupted by a collection ("AST constructor recursion depth mismatch"), which
+    once made a check error at random: parses are serialised (feedback.checks.parse)."""
+    import concurrent.futures as cf
+
+    for i in range(40):
+        (tmp_path / f"k{i}.py").write_text(KERNELS)
+    with cf.ThreadPoolExecutor(max_workers=8) as pool:
+        counts = list(pool.map(lambda _: run_check("dot_precision", tmp_path)[1], range(24)))
+    assert counts == [40] * 24
