@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.support.processes import alive
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 PROBES = '''
@@ -38,12 +40,6 @@ probes:
 '''
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

@@ -18,6 +18,7 @@ from feedback.manifest import load_manifest  # noqa: E402
 from feedback.models import Status  # noqa: E402
 from feedback.ray_executor import RayExecutor  # noqa: E402
 from feedback.runner import Runner  # noqa: E402
+from tests.support.processes import alive  # noqa: E402
 
 PROBES = '''
 import os, time
@@ -54,14 +55,6 @@ def _parents(pid: int) -> list[int]:
             break
         out.append(pid)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _raylet(node) -> int:
@@ -107,9 +100,9 @@ def test_a_node_killed_mid_probe_is_retried_on_the_other_and_the_run_goes_on(tmp
             assert survivor.node_id[:12] in slow.ran_on
             assert len(marker.read_text().split()) == 2  # once on each node
             deadline = time.time() + 10
-            while _alive(first) and time.time() < deadline:
+            while alive(first) and time.time() < deadline:
                 time.sleep(0.2)
-            assert not _alive(first), "the dead node's probe process outlived it"
+            assert not alive(first), "the dead node's probe process outlived it"
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -9,6 +9,7 @@ from feedback.harness import judge
 from feedback.manifest import load_manifest
 from feedback.models import Status
 from feedback.targets import materialize_bundled
+from tests.support.processes import alive
 from tests.support.toy_harness import TOY_MANIFEST, by_id
 
 
@@ -33,18 +34,11 @@ def test_every_fault_is_a_clear_status_and_the_harness_survives(toy):
     # the hung probe's child died with its process group
     pid = int((toy / "child.pid").read_text())
     deadline = time.time() + 5
-    while _alive(pid) and time.time() < deadline:
+    while alive(pid) and time.time() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper that never comes, in a container, counts as dead)."""
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def test_probe_sees_a_change_made_only_in_the_scratch_tree(tmp_path):

@@ -22,6 +22,7 @@ import pytest
 from feedback.state import StateDir
 from infra_agent.resume import ResumeError, read_trajectory, restore_messages
 from tests.support.chat import ScriptedServer, ok, tool_call
+from tests.support.processes import alive
 from tests.support.toy_agent import FIX, clean_and_on_main, env_without_keys, make_toy
 
 HANG = """--- a/toy/core.py
@@ -39,12 +40,6 @@ def _cli(*args: str, cwd: pathlib.Path, key: str = "sk-test-resume-0123456789") 
     return [sys.executable, "-m", "infra_agent.cli", *args]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe-death signal is Linux's")
@@ -66,9 +61,9 @@ def test_a_session_killed_mid_probe_resumes_from_its_trajectory(tmp_path):
         proc.communicate()
     probe_pid = int(marker.read_text())
     t0 = time.time()
-    while _alive(probe_pid) and time.time() - t0 < 10:
+    while alive(probe_pid) and time.time() - t0 < 10:
         time.sleep(0.1)
-    assert not _alive(probe_pid), "the candidate's probe outlived the killed session"
+    assert not alive(probe_pid), "the candidate's probe outlived the killed session"
     clean_and_on_main(root)  # the user's branch and working tree never moved
 
     (session_dir,) = StateDir.for_target(root).workspaces.iterdir()
