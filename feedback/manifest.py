@@ -248,7 +248,7 @@ def _line_map(text: str) -> dict[tuple, int]:
             for i, item in enumerate(node.value):
                 walk(item, path + (i,))
 
-    root = yaml.compose(text)
+    root = yaml.compose(text, Loader=_SAFE_LOADER)
     if root is not None:
         walk(root, ())
     return lines
@@ -261,9 +261,19 @@ def _fmt_loc(loc: tuple) -> str:
     return out or "(top level)"
 
 
+#: libyaml's loader where PyYAML was built with it (ten times the pure-Python one: a manifest is read on every
+#: command), the same safe subset of YAML either way
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load``, through libyaml where available."""
+    return yaml.load(text, Loader=_SAFE_LOADER)
+
+
 def parse_manifest(text: str, source: str = MANIFEST_NAME) -> Manifest:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source

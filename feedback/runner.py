@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from feedback import forkserver
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
@@ -268,11 +269,14 @@ class Runner:
         return combine_runs(runs), reported
 
     def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool,
-               stamps: list[tuple[float, str]] | None = None) -> tuple[int | None, str, str, float, bool]:
+               stamps: list[tuple[float, str]] | None = None,
+               worker: list[str] | None = None) -> tuple[int | None, str, str, float, bool]:
         """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)
 
         With ``stamps``, the probe gets the write end of a pipe (``INFRA_AGENT_WITNESS_FD``) and every
-        line it writes there is appended with this process's clock at its arrival."""
+        line it writes there is appended with this process's clock at its arrival.  With ``worker`` (the
+        arguments of ``feedback.worker``, which ``argv`` runs cold), the probe is forked by a warm server
+        where one can serve it (``feedback/forkserver.py``), the same process in every other respect."""
         limit = spec.memory_mb
 
         def preexec() -> None:
@@ -286,9 +290,12 @@ class Runner:
             reader = threading.Thread(target=_read_witness, args=(rfd, stamps), daemon=True)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.Popen(argv, cwd=self.tree, env=env, shell=shell, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=preexec if limit else None, pass_fds=fds)
+            proc = forkserver.spawn(worker, env, str(self.tree), witness_fd=fds[0] if fds else None) \
+                if worker is not None and not limit else None
+            if proc is None:
+                proc = subprocess.Popen(argv, cwd=self.tree, env=env, shell=shell, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                        preexec_fn=preexec if limit else None, pass_fds=fds)
         except OSError as exc:  # no interpreter, no shell, no such directory: the machine failed, not the probe
             for fd in fds + ((rfd,) if fds else ()):
                 os.close(fd)
@@ -345,7 +352,8 @@ class Runner:
                                        "probe_roots": [str(r) for r in self.manifest.probe_roots()]}))
             stamps: list[tuple[float, str]] = []
             rc, stdout, stderr, secs, timed_out = self._spawn(
-                spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False, stamps=stamps)
+                spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False, stamps=stamps,
+                worker=[str(req), str(out)])
             if timed_out:
                 return ProbeResult(probe=spec.id, status=Status.timeout, duration_s=secs, stdout=stdout, stderr=stderr,
                                    reason=f"no result within budget_s={spec.budget_s:g}; process group killed"), False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 
 from feedback.manifest import STAGE_ORDER, Manifest, ProbeSpec
 from feedback.state import SKIP_PARTS
@@ -38,22 +39,32 @@ def files_in_diff(text: str) -> list[str]:
     return paths
 
 
-def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
-    """Files that differ between ``rev`` and the working tree (untracked files included)."""
-    import git
+def _git(cwd: pathlib.Path, *args: str) -> str:
+    out = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise subprocess.CalledProcessError(out.returncode, args, out.stdout, out.stderr)
+    return out.stdout
 
+
+def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
+    """Files that differ between ``rev`` and the working tree (untracked files included).
+
+    Plain ``git`` commands (no GitPython: this runs on every ``feedback --changed-from``, whose
+    cached answer should come back in well under a second)."""
+    tree = pathlib.Path(tree).resolve()
     try:
-        repo = git.Repo(tree, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+        root = pathlib.Path(_git(tree, "rev-parse", "--show-toplevel").strip()).resolve()
+    except (subprocess.CalledProcessError, OSError) as exc:
         raise ValueError(f"--changed-from needs a git repository, and {tree} is not in one") from exc
     try:
-        repo.commit(rev)
-    except (git.BadName, ValueError) as exc:
+        _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError as exc:
         raise ValueError(f"unknown revision {rev!r}") from exc
-    root = pathlib.Path(repo.working_tree_dir).resolve()
-    sub = pathlib.Path(tree).resolve().relative_to(root)
-    names = repo.git.diff("--name-only", rev, "--", str(sub) if str(sub) != "." else ".").splitlines()
-    names += repo.git.ls_files("--others", "--exclude-standard", "--", str(sub)).splitlines()
+    sub = tree.relative_to(root)
+    where = str(sub) if str(sub) != "." else "."
+    names = _git(root, "-c", "core.quotepath=off", "diff", "--name-only", rev, "--", where).splitlines()
+    names += _git(root, "-c", "core.quotepath=off", "ls-files", "--others", "--exclude-standard", "--",
+                  where).splitlines()
     out = []
     for n in names:
         p = pathlib.Path(n)
@@ -61,7 +72,6 @@ def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
         if SKIP_PARTS.isdisjoint(rel.parts) and str(rel) not in out:  # never our own state or bytecode
             out.append(str(rel))
     return out
-
 
 
 def changed_files(tree: str | pathlib.Path, since: str | None = None, diff: str | None = None) -> list[str] | None:

@@ -7,6 +7,7 @@ import io
 import os
 import pathlib
 import shutil
+import subprocess
 import tarfile
 import tempfile
 
@@ -62,21 +63,26 @@ def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
 
 
 def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:
-    """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout)."""
-    import git
+    """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout).
 
-    repo = git.Repo(repo_dir, search_parent_directories=True)
-    try:
-        commit = repo.commit(rev)
-    except (git.BadName, ValueError) as exc:
-        raise ValueError(f"unknown revision {rev!r} in {repo.working_tree_dir}") from exc
-    data = io.BytesIO()
-    repo.archive(data, treeish=commit.hexsha, format="tar")
-    data.seek(0)
+    Plain ``git archive`` (no GitPython: a ``feedback --changed-from`` exports its baseline every time)."""
+    def git(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
+
+    repo_dir = pathlib.Path(repo_dir).resolve()
+    top = git("rev-parse", "--show-toplevel", cwd=repo_dir)
+    if top.returncode != 0:
+        raise ValueError(f"{repo_dir} is not in a git repository")
+    root = pathlib.Path(top.stdout.decode().strip()).resolve()
+    commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
+    if commit.returncode != 0:
+        raise ValueError(f"unknown revision {rev!r} in {root}")
+    archive = git("archive", "--format=tar", commit.stdout.decode().strip(), cwd=root)
+    if archive.returncode != 0:
+        raise ValueError(f"git archive of {rev!r} failed: {archive.stderr.decode(errors='replace').strip()}")
     dest = pathlib.Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=data) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     # a target that is a subfolder of its repository: keep the same relative root
-    sub = pathlib.Path(repo_dir).resolve().relative_to(pathlib.Path(repo.working_tree_dir).resolve())
-    return dest / sub
+    return dest / repo_dir.relative_to(root)

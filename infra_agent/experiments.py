@@ -21,6 +21,7 @@ from xml.sax.saxutils import escape
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from feedback.manifest import load_yaml
 from feedback.models import CriterionResult, ProbeResult
 from feedback.verdict import evaluate_acceptance, judged_by_performance, replay_regressions
 
@@ -132,7 +133,7 @@ def settle_record(path: str | pathlib.Path, status: str, by: str, reason: str, c
 def load_record(path: str | pathlib.Path) -> ExperimentRecord:
     path = pathlib.Path(path)
     try:
-        return ExperimentRecord.model_validate(yaml.safe_load(path.read_text()))
+        return ExperimentRecord.model_validate(load_yaml(path.read_text()))
     except (yaml.YAMLError, ValidationError, TypeError) as exc:
         raise RecordError(f"{path}: not a valid experiment record: {str(exc).splitlines()[0]}") from exc
 

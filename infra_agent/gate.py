@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
+from feedback.checks import parse
 from feedback.manifest import Manifest
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
@@ -137,7 +138,7 @@ class Assessment(BaseModel):
 def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
     """Calls and keyword arguments that mark a category, on the given (added) line numbers."""
     out = []
-    tree = ast.parse(source)
+    tree = parse(source, path)
     text = source.splitlines()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):

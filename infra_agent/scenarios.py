@@ -27,7 +27,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from feedback.manifest import Criterion, Manifest
+from feedback.manifest import Criterion, Manifest, load_yaml
 from feedback.models import CriterionResult, FeedbackReport
 from feedback.targets import bundled_package_dir
 from feedback.verdict import evaluate_acceptance
@@ -74,7 +74,7 @@ def load_scenarios(directory: pathlib.Path | None = None) -> dict[str, Scenario]
     out: dict[str, Scenario] = {}
     for path in sorted(directory.glob("*.yaml")):
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(path.read_text())
             sc = Scenario.model_validate(data)
         except (yaml.YAMLError, ValidationError, TypeError) as exc:
             first = str(exc).splitlines()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from feedback.checks import parse
 from feedback.manifest import MANIFEST_NAME, parse_manifest
 from feedback.state import SKIP_PARTS
 
@@ -49,7 +50,7 @@ def _files(root: pathlib.Path) -> list[pathlib.Path]:
 
 def _parse(path: pathlib.Path) -> ast.Module | None:
     try:
-        return ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        return parse(path.read_text(encoding="utf-8", errors="replace"), str(path))
     except (SyntaxError, ValueError):
         return None
 

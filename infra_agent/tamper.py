@@ -24,6 +24,7 @@ import ast
 import pathlib
 import re
 
+from feedback.checks import parse
 from feedback.manifest import Manifest
 
 HARNESS_PACKAGES = ("feedback", "infra_agent", "playbooks")
@@ -75,7 +76,7 @@ def _module_file(module: str) -> list[str]:
 
 
 def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str | None:
-    tree = ast.parse(source)
+    tree = parse(source, rel)
     modules: set[str] = set()  # names bound to imported modules anywhere in the file
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from feedback.manifest import load_yaml
 from feedback.models import FeedbackReport
 from feedback.state import SKIP_PARTS
 
@@ -243,7 +244,7 @@ def _describe(pred: Predicate, report: FeedbackReport | None = None) -> str:
 def load_playbook(path: str | pathlib.Path) -> Playbook:
     path = pathlib.Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
         return Playbook.model_validate(data)
     except yaml.YAMLError as exc:
         raise PlaybookError(f"{path}: not valid YAML: {exc}") from exc

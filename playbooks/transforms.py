@@ -11,6 +11,7 @@ import pathlib
 import re
 from typing import Any
 
+from feedback.checks import parse
 from playbooks.model import CodeMatch
 
 
@@ -56,7 +57,7 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
-        mod = ast.parse(src)
+        mod = parse(src, rel)
         lines = src.splitlines(keepends=True)
         offsets = [0]
         for ln in lines:
@@ -127,7 +128,7 @@ def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str
             offsets.append(offsets[-1] + len(ln))
         pos = lambda line, col, offsets=offsets: offsets[line - 1] + col  # noqa: E731
         edits: list[tuple[int, int, str]] = []  # (start, end, replacement) of the operator and divisor
-        for node in ast.walk(ast.parse(src)):
+        for node in ast.walk(parse(src, rel)):
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
                 continue
             divisor, suffix = node.right, ""
@@ -230,7 +231,7 @@ def widen_program_tiles(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
-        mod = ast.parse(src)
+        mod = parse(src, rel)
         if any(isinstance(n, ast.FunctionDef) and n.name == helper for n in mod.body):
             continue  # already widened: never touch a file twice
         kernels = [n for n in mod.body if isinstance(n, ast.FunctionDef) and _is_jit(n)]

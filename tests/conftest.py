@@ -8,6 +8,9 @@ os.environ.setdefault("TARGET_STACK_POISON", "1")
 # The state of users' repositories (sessions, caches, review queues) lives in the state home, never
 # inside them; the tests' own home is a scratch folder, shared by the CLIs they start.
 os.environ.setdefault("INFRA_AGENT_HOME", tempfile.mkdtemp(prefix="infra-agent-home-"))
+# Probes are forked by warm servers in that home (feedback/forkserver.py); they retire soon after the last
+# test that uses them, and all of them when the session ends.
+os.environ.setdefault("INFRA_AGENT_FORKSERVER_IDLE_S", "120")
 
 import git
 import pytest
@@ -40,3 +43,10 @@ def toy(tmp_path) -> pathlib.Path:
     repo.index.add(["toy/__init__.py", "toy/probes.py", "toy/value.txt", "toy/core.py", "infra-agent.yaml"])
     repo.index.commit("toy target", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
     return root
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not hasattr(session.config, "workerinput"):  # the controller, once every worker is done
+        from feedback import forkserver
+
+        forkserver.shutdown(pathlib.Path(os.environ["INFRA_AGENT_HOME"]))

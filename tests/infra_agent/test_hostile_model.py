@@ -24,9 +24,17 @@ from tests.support.toy_agent import ACTOR, FIX, make_toy
 
 MAX_STEPS = 6
 
+
+class _Long(str):
+    """An enormous argument whose repr stays short, so a falsifying example prints in a line (a CI log's tail)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} x {self[:1]!r}>"
+
+
 HOSTILE_TEXT = st.sampled_from([
     "../../etc/passwd", "/etc/passwd", "toy/../../outside.py", "toy/escape/passwd", "toy/core.py\x00.txt",
-    "~/.ssh/id_rsa", "", "x" * 200_000, "toy/core.py", "toy/probes.py", "💥" * 50, "C:\\Windows\\system32",
+    "~/.ssh/id_rsa", "", _Long("x" * 200_000), "toy/core.py", "toy/probes.py", "💥" * 50, "C:\\Windows\\system32",
 ]) | st.text(max_size=40)
 DIFFS = st.sampled_from([
     FIX, FIX.replace("toy/core.py", "toy/probes.py"), FIX.replace("toy/core.py", "../core.py"),
@@ -67,8 +75,9 @@ def _snapshot(root: pathlib.Path) -> dict[str, bytes]:
 
 
 # 15 in CI; bench/reliability.py runs more (INFRA_AGENT_HOSTILE_EXAMPLES)
+# one failure, its own exception (not a group of them) in the summary line
 @settings(max_examples=int(os.environ.get("INFRA_AGENT_HOSTILE_EXAMPLES", "15")), deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+          suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
 @given(script=st.lists(replies(), min_size=1, max_size=MAX_STEPS + 3))
 def test_hostile_replies_never_crash_the_loop_or_write_outside_its_worktrees(script):
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,169 @@
+"""The fork server on real processes: warm probes that see nothing of the tree before them."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from feedback import forkserver
+from feedback.manifest import parse_manifest
+from feedback.models import Status
+from feedback.runner import Runner
+from tests.support.processes import alive
+
+pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="the fork server needs Linux (pidfd, SCM_RIGHTS)")
+
+MANIFEST = """
+schema_version: 1
+name: leaky
+python_path: ["."]
+probes:
+  - id: leaky.probe
+    kind: correctness
+    entry: leaky.probe:check
+    params: {scratch: "%s"}
+"""
+
+# The same module in both trees (same name, same kernel name), differing only in what the kernel adds.
+PROBE = '''
+import sys
+PRELOADED = "torch" in sys.modules  # before this module imports anything: was the probe forked warm?
+import os, pathlib, random
+import numpy, torch, triton, triton.language as tl
+from feedback.probe import probe
+
+TREE = "{tree}"
+
+@triton.jit
+def _add(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) + {add}, mask=m)
+
+@probe(kind="correctness")
+def check(ctx):
+    scratch = pathlib.Path(ctx.params["scratch"])
+    mine = pathlib.Path(__file__).resolve().parents[1]
+    foreign = [n for n, m in list(sys.modules.items())
+               if (f := getattr(m, "__file__", None)) and scratch in pathlib.Path(f).resolve().parents
+               and mine not in pathlib.Path(f).resolve().parents]
+    ctx.metric("foreign_modules", len(foreign))
+    ctx.metric("globals_left", float(hasattr(torch, "_leaky_mark") or hasattr(tl, "_leaky_mark")))
+    torch._leaky_mark = tl._leaky_mark = TREE  # left behind on purpose: the next probe must not see them
+    x = torch.randn(16, device=ctx.device)
+    y = x.clone()
+    _add[(1,)](y, 16, BLOCK=16)
+    ctx.metric("added", (y - x).mean().item())
+    ctx.metric("preloaded", float(PRELOADED))
+    ctx.metric("pid", float(os.getpid()))
+    ctx.metric("draw", random.random() + float(numpy.random.rand()))
+    ctx.metric("cwd_is_tree", float(pathlib.Path.cwd().resolve() == mine))
+'''
+
+
+def _tree(root: pathlib.Path, scratch: pathlib.Path, name: str, add: float) -> pathlib.Path:
+    (root / "leaky").mkdir(parents=True)
+    (root / "leaky" / "__init__.py").write_text("")
+    (root / "leaky" / "probe.py").write_text(PROBE.format(tree=name, add=add))
+    (root / "infra-agent.yaml").write_text(MANIFEST % scratch)
+    return root
+
+
+def _run(tree: pathlib.Path) -> dict[str, float]:
+    runner = Runner(tree, parse_manifest((tree / "infra-agent.yaml").read_text()), use_cache=False)
+    (res,) = runner.run(runner.manifest.probes)
+    assert res.status == Status.passed, (res.reason, res.stderr[-2000:])
+    return {k: m.value for k, m in res.metrics.items()}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> pathlib.Path:
+    """A state home of the test's own, so the servers counted are this test's; stopped after it."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("INFRA_AGENT_HOME", str(home))
+    yield home
+    forkserver.shutdown(home)
+
+
+def test_a_warm_probe_sees_no_module_global_or_kernel_of_the_tree_before_it(tmp_path, home):
+    a = _tree(tmp_path / "a", tmp_path, "a", 1.0)
+    b = _tree(tmp_path / "b", tmp_path, "b", 2.0)
+    runs = [_run(a), _run(b), _run(a), _run(b)]
+    assert [r["added"] for r in runs] == pytest.approx([1.0, 2.0, 1.0, 2.0])  # each tree's own kernel
+    for r in runs:
+        assert r["foreign_modules"] == 0 and r["globals_left"] == 0 and r["cwd_is_tree"] == 1
+        assert r["preloaded"] == 1  # served warm: torch was there before the probe's first line
+    assert len({r["pid"] for r in runs}) == 4  # a process per probe
+    assert len({r["draw"] for r in runs}) == 4  # each with random state of its own, as a cold process has
+    assert len(forkserver.servers(home)) == 1  # all four from one server
+
+
+def test_a_server_that_cannot_start_leaves_the_probes_cold_and_their_verdicts_unchanged(tmp_path, home,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(forkserver, "PRELOAD", ("no_such_module_for_the_fork_server",))
+    monkeypatch.setattr(forkserver, "_cold", {})
+    r = _run(_tree(tmp_path / "a", tmp_path, "a", 1.0))
+    assert r["added"] == pytest.approx(1.0) and r["preloaded"] == 0  # run cold, and right
+    (why,) = forkserver._cold.values()
+    assert "no_such_module_for_the_fork_server" in why
+    assert forkserver.servers(home) == []
+
+
+def test_a_server_is_per_environment_and_retires_when_idle(tmp_path, home, monkeypatch):
+    monkeypatch.setenv("INFRA_AGENT_FORKSERVER_IDLE_S", "2")
+    tree = _tree(tmp_path / "a", tmp_path, "a", 1.0)
+
+    def running() -> dict[str, int]:
+        return {p.stem: int(p.read_text()) for p in (home / "forkserver").glob("*.pid")}
+
+    _run(tree)
+    seen = running()
+    monkeypatch.setenv("SOME_SETTING_A_LIBRARY_READS_AT_IMPORT", "1")
+    _run(tree)
+    seen |= running()
+    assert len(seen) == 2  # another environment, another server
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in seen.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in seen.values()), "an idle server did not exit"
+    assert running() == {} and not any(forkserver.socket_path(key).exists() for key in seen)
+
+
+def test_the_harness_killing_a_warm_probe_kills_its_process_group(tmp_path, home):
+    tree = tmp_path / "t"
+    (tree / "sleepy").mkdir(parents=True)
+    (tree / "sleepy" / "__init__.py").write_text("")
+    (tree / "sleepy" / "probe.py").write_text(
+        "import subprocess, sys, time, pathlib\n"
+        "def hang(ctx):\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "    pathlib.Path('child.pid').write_text(str(child.pid))\n"
+        "    time.sleep(600)\n")
+    (tree / "infra-agent.yaml").write_text(
+        "schema_version: 1\nname: sleepy\npython_path: ['.']\nprobes:\n"
+        "  - {id: sleepy.hang, kind: correctness, entry: 'sleepy.probe:hang', budget_s: 3}\n")
+    runner = Runner(tree, parse_manifest((tree / "infra-agent.yaml").read_text()), use_cache=False)
+    (res,) = runner.run(runner.manifest.probes)
+    assert res.status == Status.timeout and "budget_s=3" in res.reason
+    child = int((tree / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child), "the warm probe's child outlived its budget"
+    assert len(forkserver.servers(home)) == 1 and all(alive(p) for p in forkserver.servers(home))
+
+
+def test_stopping_a_server_removes_its_socket_first(tmp_path, home):
+    _run(_tree(tmp_path / "a", tmp_path, "a", 1.0))
+    (pid,) = forkserver.servers(home)
+    (sock,) = [forkserver.socket_path(p.stem) for p in (home / "forkserver").glob("*.pid")]
+    assert sock.exists()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid) and not sock.exists()
