@@ -1,6 +1,6 @@
 """How well the harness holds against candidates and models written to fool it: one table, one JSON.
 
-    python bench/reliability.py [--hostile-examples 60] [--out bench/out]
+    python bench/reliability.py [--hostile-examples 60] [--kills 12] [--out bench/out]
 
 Runs every corpus the tests keep, through the real components, and counts what each case ended as:
 
@@ -19,7 +19,9 @@ Runs every corpus the tests keep, through the real components, and counts what e
 * kill -9 of the harness (tests/feedback/test_lifeline.py): no probe process may survive;
 * kill -9 mid-work (tests/infra_agent/test_resume.py, test_review.py): a session killed mid-probe
   resumes from its trajectory, an approval killed mid-validation leaves the item pending and the
-  branch unmoved.
+  branch unmoved;
+* kill -9 of a session at random moments (bench/kill_points.py): nothing left running, the branch
+  unmoved, nothing half-written, and ``run --resume`` ends it with the fix.
 
 "caught" means the expected outcome; "missed" a case that ended otherwise; "crashed" a case whose
 check itself raised.  The tests stay in CI; this runs them wider and writes the figures down.
@@ -32,6 +34,7 @@ import datetime as _dt
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,9 +154,38 @@ def _lifeline() -> dict:
     return dict(cases=4, caught=4 if ok else 0, missed=[] if ok else tail, crashed=[])
 
 
+def _random_kills(kills: int) -> dict:
+    from bench.kill_points import trial
+
+    base = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-kills-"))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
+    saved = os.environ.get("INFRA_AGENT_HOME")
+    os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]
+    try:
+        from bench.kill_points import _script, _session
+        from tests.support.toy_agent import make_toy
+
+        for warm in ("cold", "warm"):
+            whole, _ = _session(make_toy(base / warm / "toy_target"), env, _script(), None, base / warm)
+        missed = []
+        for i in range(kills):
+            (base / f"t{i}").mkdir()
+            t = trial(base / f"t{i}", env, int.from_bytes(os.urandom(4), "little") / 2**32 * whole)
+            missed += [f"kill at {t['kill_after_s']} s: {p}" for p in t["problems"]]
+        return dict(cases=kills, caught=kills - len({m.split(':')[0] for m in missed}), missed=missed, crashed=[])
+    finally:
+        if saved is None:
+            os.environ.pop("INFRA_AGENT_HOME", None)
+        else:
+            os.environ["INFRA_AGENT_HOME"] = saved
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hostile-examples", type=int, default=60, help="hypothesis examples of hostile model output")
+    ap.add_argument("--kills", type=int, default=12, help="kill -9 of a session at random moments")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="folder for reliability.json")
     args = ap.parse_args()
     areas = [("reaching the judges (refused)", _tamper), ("gate corpus (expected decision)", _gate),
@@ -161,7 +193,8 @@ def main() -> int:
              ("hostile model output (no crash, no write)", lambda: _hostile(args.hostile_examples)),
              ("timing cheats (failed, reason named)", _timing),
              ("kill -9 of the harness (processes reaped)", _lifeline),
-             ("kill -9 mid-session, mid-approval, mid-write", _crashes)]
+             ("kill -9 mid-session, mid-approval, mid-write", _crashes),
+             ("kill -9 of a session at random moments", lambda: _random_kills(args.kills))]
     rows = []
     for name, fn in areas:
         t0 = time.perf_counter()

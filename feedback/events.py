@@ -59,6 +59,55 @@ def gil_blocked(events: list[dict], start: str = "dispatch.enter", end: str = "d
     return out
 
 
+#: spans of the events a probe read that its result keeps (the longest, where there are more)
+TIMELINE_SPANS = 400
+_timeline: list[dict] = []  # of the last events this process read
+
+
+def timeline(events: list[dict], limit: int = TIMELINE_SPANS) -> list[dict]:
+    """The spans of ``events`` as ``{thread, name, start_ms, dur_ms, depth}``: start/done and enter/exit pairs;
+    ``X.submit`` to ``X.start`` of the same ``id`` as ``X (queued)`` on the thread that starts it (work handed
+    to a thread that could not run yet: a transfer thread waiting for the GIL); an unpaired event as a span
+    of no length.  ``depth`` nests a span inside the one around it on its thread; a thread is named
+    ``pid N: name`` where several processes wrote.  At most ``limit`` spans, the longest kept."""
+    from feedback import perfetto
+
+    trace = perfetto.trace_events(events)["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name"}
+    several = len({pid for pid, _ in names}) > 1
+
+    def label(pid, thread) -> str:
+        return (f"pid {pid}: " if several else "") + str(thread)
+
+    out = [{"thread": label(e["pid"], names.get((e["pid"], e["tid"]), "?")), "name": e["name"],
+            "start_ms": e["ts"] / 1e3, "dur_ms": e.get("dur", 0.0) / 1e3}
+           for e in trace if e["ph"] in ("X", "i") and not e["name"].endswith(".submit")]
+    t0 = min((e["t"] for e in events if "t" in e and "event" in e), default=0.0)
+    submitted = {}
+    for e in sorted((e for e in events if "t" in e and "event" in e), key=lambda e: e["t"]):
+        name = e["event"]
+        if name.endswith(".submit"):
+            submitted[(name[:-7], e.get("id"), e.get("pid"))] = e
+        elif name.endswith(".start") and (sub := submitted.pop((name[:-6], e.get("id"), e.get("pid")), None)):
+            out.append({"thread": label(e.get("pid", 0), e.get("thread", "main")), "name": f"{name[:-6]} (queued)",
+                        "start_ms": (sub["t"] - t0) * 1e3, "dur_ms": (e["t"] - sub["t"]) * 1e3})
+    if len(out) > limit:
+        out = sorted(out, key=lambda s: -s["dur_ms"])[:limit]
+    out.sort(key=lambda s: (s["thread"], s["start_ms"], -s["dur_ms"]))
+    open_: list[tuple[str, float]] = []  # (thread, end) of the spans around the current one
+    for s in out:
+        open_ = [(t, end) for t, end in open_ if t == s["thread"] and end > s["start_ms"] + 1e-3]  # 1 us: rounding
+        s["depth"] = len(open_)
+        open_.append((s["thread"], s["start_ms"] + s["dur_ms"]))
+        s["start_ms"], s["dur_ms"] = round(s["start_ms"], 4), round(s["dur_ms"], 4)
+    return out
+
+
+def captured_timeline() -> list[dict]:
+    """The timeline of the last events this process read (what the probe worker puts in its result)."""
+    return list(_timeline)
+
+
 def read_events(path: str | os.PathLike) -> list[dict]:
     """Events from a JSONL file; a torn last line (a killed writer) is skipped, not an error.
 
@@ -74,6 +123,7 @@ def read_events(path: str | os.PathLike) -> list[dict]:
     from feedback import perfetto
 
     perfetto.export(out, source=os.path.basename(path))
+    _timeline[:] = timeline(out)
     return out
 
 

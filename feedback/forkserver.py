@@ -47,6 +47,7 @@ import pathlib
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -398,6 +399,15 @@ def _monitor(conn: socket.socket, rest: list[str]) -> None:
         conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
 
 
+def _same_user(conn: socket.socket) -> bool:
+    try:
+        _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+    except (OSError, AttributeError):
+        return False
+    return uid == os.getuid()
+
+
 def serve(path: str, pidfile: str, preload: list[str]) -> int:
     """Import, listen on ``path``, fork a monitor per connection, until idle or displaced."""
     shared = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -437,6 +447,9 @@ def serve(path: str, pidfile: str, preload: list[str]) -> int:
                     break
                 continue
             except InterruptedError:
+                continue
+            if not _same_user(conn):  # the socket is private; refuse anyone else all the same
+                conn.close()
                 continue
             last = time.monotonic()
             sys.stdout.flush()

@@ -125,6 +125,17 @@ def fingerprint() -> Fingerprint:
     return fp
 
 
+class Span(_Model):
+    """One span of the runtime events a probe read (``feedback/events.py``): the thread, what, when."""
+    model_config = ConfigDict(extra="forbid")
+
+    thread: str
+    name: str
+    start_ms: float  # from the first event the probe read
+    dur_ms: float
+    depth: int = 0  # nested in that many spans around it on its thread
+
+
 class ProbeResult(_Model):
     model_config = ConfigDict(extra="forbid")
 
@@ -146,6 +157,9 @@ class ProbeResult(_Model):
     spans: dict[str, float] = Field(default_factory=dict)
     # where it ran when not in this process's machine: "ray node 3f2a... (host, device)"
     ran_on: str | None = None
+    # the spans of the runtime events it read, per thread (the longest ``events.TIMELINE_SPANS``): the
+    # report draws them, baseline above candidate
+    timeline: list[Span] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -5,7 +5,9 @@ The judgement itself (deltas, acceptance, the verdict) lives in :mod:`feedback.v
 from __future__ import annotations
 
 import hashlib
+import math
 import pathlib
+import re
 
 from rich.console import Console
 from rich.markup import escape
@@ -13,6 +15,44 @@ from rich.table import Table
 
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import FeedbackReport, ProbeResult, Status
+
+#: a metric measured at a size: ``err_p32`` (32 partitions), ``ttft_T4096``, ``step_us_batch64``
+SIZED = re.compile(r"^(?P<base>.*?)_?(?P<dim>p|P|T|t|batch|ranks|len|n)(?P<n>\d+)$")
+#: ``..._p99`` is a percentile, not 99 partitions
+PERCENTILES = frozenset({"50", "75", "90", "95", "99", "999"})
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def size_series(result: ProbeResult | None) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """A result's metrics that vary with a size parameter: (base name, dimension) -> sorted (size, value)."""
+    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for name, m in (result.metrics.items() if result else []):
+        hit = SIZED.match(name)
+        if not hit or not hit["base"] or (hit["dim"].lower() == "p" and hit["n"] in PERCENTILES):
+            continue
+        if m.value == m.value and abs(m.value) < float("inf"):
+            out.setdefault((hit["base"], hit["dim"]), []).append((float(hit["n"]), m.value))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def sparkline(points: list[tuple[float, float]]) -> str:
+    """``▁▂▅█``: the values in order of size, log-scaled where all are positive (errors span decades)."""
+    ys = [y for _, y in points]
+    log = all(y > 0 for y in ys)
+    vs = [math.log10(y) for y in ys] if log else ys
+    lo, hi = min(vs), max(vs)
+    return "".join(_BLOCKS[0 if hi == lo else round((v - lo) / (hi - lo) * (len(_BLOCKS) - 1))] for v in vs)
+
+
+def curves(result: ProbeResult | None) -> list[str]:
+    """One line per size series of three points or more: ``err vs p ▁▃█ 2.0e-07 .. 1.2e-02 (p 2..32)``."""
+    out = []
+    for (base, dim), pts in size_series(result).items():
+        if len(pts) >= 3:
+            out.append(f"{base} vs {dim} {sparkline(pts)} {_fmt(pts[0][1])} .. {_fmt(pts[-1][1])} "
+                       f"({dim} {pts[0][0]:g}..{pts[-1][0]:g})")
+    return out
+
 
 _STATUS_STYLE = {Status.passed: "green", Status.failed: "red", Status.error: "red", Status.timeout: "red",
                  Status.skipped: "yellow"}
@@ -100,6 +140,7 @@ def render(report: FeedbackReport, console: Console) -> None:
                 metrics.append(f"[{style}]{d.name} {arrow}[/]" if style else f"{d.name} {arrow}")
             else:
                 metrics.append(f"{d.name} {_fmt(d.candidate, d.unit)}")
+        metrics += curves(r)  # where a curve says more than its numbers: error against partitions
         status = f"[{_STATUS_STYLE[r.status]}]{r.status.value}[/]" + (" (cached)" if r.cached else "")
         row = [c.probe] + ([] if narrow else [c.kind])
         if report.baseline:

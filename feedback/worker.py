@@ -85,9 +85,10 @@ def main(argv: list[str]) -> int:
         where = _innermost_tree_frame(exc.__traceback__, tree)
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:400] + (f" (at {where})" if where else "")
         traceback.print_exc()
+    events = sys.modules.get("feedback.events")  # a probe that read runtime events: their timeline
     result = ProbeResult(probe=request["probe"], status=status, metrics=ctx.metrics, findings=ctx.findings,
                          duration_s=clock() - t0, environment=fingerprint(), reason=reason,
-                         spans=ctx.spans)
+                         spans=ctx.spans, timeline=events.captured_timeline() if events else [])
     tmp = out.with_suffix(".tmp")
     tmp.write_text(result.model_dump_json())
     os.replace(tmp, out)

@@ -23,7 +23,7 @@ from infra_agent.exceptions import FormatError, LimitsExceeded, Submitted
 from infra_agent.experiments import attempt_record, new_id, write_record
 from infra_agent.limits import Limits
 from infra_agent.patch import Patch, PatchError
-from infra_agent.prefetch import judge_ahead
+from infra_agent.prefetch import judge_ahead, judge_together
 from infra_agent.review import ReviewQueue
 from infra_agent.tools import Action, Environment, render_report
 from infra_agent.trajectory import Trajectory
@@ -186,6 +186,7 @@ class Agent:
                   f"{self.usage['prompt_tokens'] + self.usage['completion_tokens']} tokens, "
                   f"${self.usage['cost_usd']:.2f}")
         self.emit("action", {"step": self.step, "name": action.name, "args": action.args, "budget": budget})
+        judge_together(self, action)  # several patches in one reply, --parallel N: judged together first
         observation = self.execute(action)
         reply = {"role": "tool", "tool_call_id": action.call_id or f"call_{self.step}", "content": observation}
         self.messages.append(reply)

@@ -1,6 +1,7 @@
 """``infra-agent run --parallel N``: the next N candidate patches judged together, ahead of the loop.
 
-A backend that can say what it would propose next (``peek(state, n)``; the offline policy can) has
+A backend that can say what it would propose next (``peek(state, n)``; the offline policy can), or a
+model that proposed several patches in one reply (the openai backend's ``queued()``), has
 those patches applied in candidate trees and judged at once, in threads (or across a Ray cluster
 with ``--executor ray``), by the probes that are judged by status (static, correctness, trace,
 events).  Nothing is decided here: the loop then proposes them one at a time, exactly as without
@@ -34,11 +35,27 @@ def prefetch(agent, n: int) -> int:
     peek = getattr(agent.backend, "peek", None)
     if peek is None or n < 2:
         return 0
+    return _judge(agent, peek(agent.state(), n))
+
+
+def judge_together(agent, action) -> int:
+    """A model that proposed several patches in one reply (its backend's ``queued()``): with ``--parallel N``
+    the one in hand and up to N-1 of the queued ones are judged together, before the loop takes them one
+    at a time; returns how many were judged."""
+    queued = getattr(agent.backend, "queued", None)
+    if agent.limits.parallel < 2 or action.name != "propose_patch" or queued is None:
+        return 0
+    actions = [action, *(a for a in queued() if a.name == "propose_patch")][: agent.limits.parallel]
+    return _judge(agent, actions) if len(actions) > 1 else 0
+
+
+def _judge(agent, actions) -> int:
+    """The status-judged probes of each proposal's candidate tree, in threads; nothing decided."""
     manifest = agent.ws.manifest()
     judges = agent.ws.judges()
     base = agent.ws.baseline()
     jobs = []
-    for action in peek(agent.state(), n):
+    for action in actions:
         try:
             patch = Patch.parse(action.args["diff"], manifest)
         except PatchError:

@@ -9,7 +9,9 @@ hypothesis, playbook, diff, gate findings, verdict and why, and the plots that a
 * A/B distributions (every repeat of a timed metric on both sides, the medians, the bootstrap
   interval of their ratio);
 * roofline position (``*bandwidth_vs_copy``: achieved bandwidth over the copy bandwidth measured in
-  the same run).
+  the same run);
+* the runtime-event timeline of probes that read events (prefill layers, native calls, KV-transfer
+  stages), per thread, baseline above candidate on one time axis.
 
 Inline SVG only (``infra_agent/svg.py``): no script, no stylesheet or font from elsewhere, so the page
 opens anywhere, offline.
@@ -20,15 +22,13 @@ from __future__ import annotations
 import html
 import json
 import pathlib
-import re
 from collections import defaultdict
 
+from feedback.report import size_series as sized
 from feedback.verdict import judged_by_performance, ratio_interval
 from infra_agent import svg
 from infra_agent.experiments import ExperimentRecord, RecordError, load_record
 
-PERCENTILES = {"50", "75", "90", "95", "99", "999"}
-_SIZE = re.compile(r"^(?P<base>.*?)_?(?P<dim>p|P|T|t|batch|ranks|len|n)(?P<n>\d+)$")
 STYLE = """body{font:14px/1.45 system-ui,sans-serif;color:#24292f;max-width:1100px;margin:2em auto;padding:0 1em}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #d0d7de}
 pre{background:#f6f8fa;padding:.8em;overflow:auto;font-size:12px}.plots{display:flex;flex-wrap:wrap;gap:12px}
@@ -44,14 +44,10 @@ def size_series(results: dict[str, tuple]) -> list[str]:
     """Plots of metrics that vary with a size parameter, baseline against candidate, per probe."""
     out = []
     for probe, (cand, base) in results.items():
-        groups: dict[str, dict[str, list]] = defaultdict(lambda: {"baseline": [], "candidate": []})
+        groups: dict[tuple[str, str], dict[str, list]] = defaultdict(lambda: {"baseline": [], "candidate": []})
         for side, r in (("candidate", cand), ("baseline", base)):
-            for name, m in (r.metrics.items() if r else []):
-                hit = _SIZE.match(name)
-                if hit and hit["dim"].lower() == "p" and hit["n"] in PERCENTILES:
-                    continue  # ttft_ms_p99 is a percentile, not 99 partitions
-                if hit and hit["base"] and m.value == m.value and m.value < float("inf"):
-                    groups[(hit["base"], hit["dim"])][side].append((float(hit["n"]), m.value))
+            for key, pts in sized(r).items():
+                groups[key][side] = pts
         for (base_name, dim), series in groups.items():
             if len(series["candidate"]) + len(series["baseline"]) >= 3:
                 out.append(svg.lines(f"{probe}: {base_name} against {dim}", dim, base_name,
@@ -84,10 +80,20 @@ def roofline(results: dict[str, tuple]) -> list[str]:
     return [p for p in out if p]
 
 
+def timelines(results: dict[str, tuple]) -> list[str]:
+    """The runtime events a probe read, per thread, baseline above candidate on one time axis."""
+    out = []
+    for probe, (cand, base) in results.items():
+        sides = {"baseline": base.timeline if base else [], "candidate": cand.timeline if cand else []}
+        if any(sides.values()):
+            out.append(svg.timeline(f"{probe}: runtime events per thread", sides))
+    return [p for p in out if p]
+
+
 def attempt_html(rec: ExperimentRecord) -> str:
     results = {p.id: (p.result, p.baseline) for p in rec.probes}
     kinds = {p.id: p.kind for p in rec.probes}
-    plots = size_series(results) + ab_plots(results, kinds) + roofline(results)
+    plots = size_series(results) + ab_plots(results, kinds) + roofline(results) + timelines(results)
     rows = "".join(f"<tr><td>{_e(p.id)}</td><td>{_e(p.baseline.status.value if p.baseline else '-')}</td>"
                    f"<td>{_e(p.result.status.value)}</td><td>{_e((p.result.reason or '')[:160])}</td></tr>"
                    for p in rec.probes)

@@ -106,3 +106,61 @@ def bars(title: str, values: dict[str, float], ceiling: float = 1.0, label: str 
                     f'fill="{(BASE, CAND)[i % 2]}"><title>{v:.0%} {_esc(label)}</title></rect>')
         body.append(f'<text x="{sx(v) + 4:.1f}" y="{y + 13}" font-size="10">{v:.0%}</text>')
     return _frame(title, body, label, "")
+
+
+PALETTE = ("#1f6feb", "#d29922", "#1a7f37", "#cf222e", "#8250df", "#bf3989", "#0a7ea4", "#953800")
+
+
+def timeline(title: str, sides: dict[str, list], width: int = 860, lane: int = 9) -> str:
+    """Spans per thread on a shared time axis, one panel per side (baseline above candidate): a thread
+    that waits shows as long bars where the other side has short ones.  ``sides`` maps a label to spans
+    with ``thread``, ``name``, ``start_ms``, ``dur_ms`` and ``depth`` (a nested span is drawn in a lane
+    below the one around it); colours by span name (the 8 most frequent)."""
+    spans = [s for ss in sides.values() for s in ss]
+    if not spans:
+        return ""
+    lanes: dict[str, int] = {}
+    for s in spans:
+        lanes[s.thread] = max(lanes.get(s.thread, 1), getattr(s, "depth", 0) + 1)
+    threads = sorted(lanes)
+    offset, y = {}, 18
+    for t in threads:
+        offset[t], y = y, y + lanes[t] * lane + 6
+    panel = y + 8
+    counts: dict[str, int] = {}
+    for s in spans:
+        counts[s.name] = counts.get(s.name, 0) + 1
+    colour = {n: PALETTE[i] for i, n in enumerate(sorted(counts, key=lambda n: (-counts[n], n))[:len(PALETTE)])}
+    end = max(s.start_ms + s.dur_ms for s in spans) or 1.0
+    left, top = 150, 30
+    sx = lambda ms: left + ms / end * (width - left - 20)  # noqa: E731
+    height = top + panel * len(sides) + 40 + 14 * ((len(colour) + 3) // 4)
+    body = []
+    for p, (side, ss) in enumerate(sides.items()):
+        y0 = top + p * panel
+        body.append(f'<text x="8" y="{y0 + 12}" font-size="11" font-weight="bold" fill="{INK}">{_esc(side)}'
+                    f'{"" if ss else " (no events)"}</text>')
+        for t in threads:
+            y, h = y0 + offset[t], lanes[t] * lane
+            body.append(f'<text x="{left - 6}" y="{y + min(h, 2 * lane) / 2 + 4:.1f}" text-anchor="end" font-size="10" '
+                        f'fill="{INK}">{_esc(t[-24:])}</text>')
+            body.append(f'<line x1="{left}" y1="{y + h + 2}" x2="{width - 20}" y2="{y + h + 2}" stroke="#eaeef2"/>')
+        for s in ss:
+            y = y0 + offset[s.thread] + getattr(s, "depth", 0) * lane
+            body.append(f'<rect class="span" x="{sx(s.start_ms):.1f}" y="{y + 1}" '
+                        f'width="{max(sx(s.start_ms + s.dur_ms) - sx(s.start_ms), 0.8):.1f}" height="{lane - 2}" '
+                        f'fill="{colour.get(s.name, BASE)}"><title>{_esc(s.thread)}: {_esc(s.name)} '
+                        f'{_fmt(s.dur_ms)} ms at {_fmt(s.start_ms)} ms</title></rect>')
+    axis = top + panel * len(sides)
+    body.append(f'<line x1="{left}" y1="{axis}" x2="{width - 20}" y2="{axis}" stroke="{INK}"/>')
+    body += [f'<text x="{sx(v):.1f}" y="{axis + 13}" text-anchor="middle" font-size="10">{_fmt(v)}</text>'
+             for v in (0.0, end / 2, end)]
+    body.append(f'<text x="{(left + width) / 2}" y="{axis + 26}" text-anchor="middle" font-size="11">ms</text>')
+    for i, (name, c) in enumerate(colour.items()):
+        x, y = 8 + 210 * (i % 4), axis + 34 + 14 * (i // 4)
+        body.append(f'<rect x="{x}" y="{y}" width="10" height="10" fill="{c}"/>'
+                    f'<text x="{x + 14}" y="{y + 9}" font-size="10" fill="{INK}">{_esc(name[:30])}</text>')
+    return (f'<svg class="plot timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img"><title>{_esc(title)}</title>'
+            f'<text x="{width / 2}" y="14" text-anchor="middle" font-size="12" fill="{INK}">{_esc(title)}</text>'
+            + "".join(body) + "</svg>")

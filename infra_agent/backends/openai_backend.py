@@ -22,6 +22,8 @@ DEFAULT_GLM_MODEL = "glm-5"
 # USD per million tokens (input, output); unknown models cost 0 here and are still token-limited.
 PRICES = {"glm-5": (1.0, 3.2), "glm-5.1": (1.0, 3.2), "glm-4.7-flash": (0.0, 0.0)}
 MAX_REPLY_CHARS = 200_000
+#: tool calls taken from one reply; the loop runs them one per step (each against its step budget)
+MAX_CALLS_PER_REPLY = 8
 
 
 class OpenAIBackend:
@@ -44,6 +46,7 @@ class OpenAIBackend:
         self.thinking = thinking if thinking is not None else (base_url or "").startswith(("https://api.z.ai",
                                                                                            "https://open.bigmodel"))
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0, "calls": 0}
+        self._queued: list = []  # the tool calls of the last reply after the one handed out
 
     def trim(self, messages: list[dict]) -> list[dict]:
         """Keep the system and first user message, and as many recent messages as fit; never split a
@@ -67,6 +70,10 @@ class OpenAIBackend:
         return head + kept
 
     def next_action(self, state: AgentState) -> Action:
+        """The next tool call: one the last reply queued (several in one reply are taken one per step, each
+        its own assistant message answered by its own tool message), else a new request."""
+        if self._queued:
+            return self._action(self._queued.pop(0), None)
         extra = {"thinking": {"type": "enabled"}} if self.thinking else None
         try:
             resp = self.client.chat.completions.create(model=self.model, messages=self.trim(state.messages),
@@ -92,14 +99,32 @@ class OpenAIBackend:
         calls = msg.tool_calls or []
         if not calls:
             raise FormatError("no tool call in the reply: answer with exactly one tool call (finish to stop)")
-        call = calls[0]
+        self._queued = list(calls[1:MAX_CALLS_PER_REPLY])
+        return self._action(calls[0], content)
+
+    def queued(self) -> list[Action]:
+        """The well-formed tool calls the last reply made beyond the one handed out (``--parallel`` judges
+        their patches together with it)."""
+        out = []
+        for call in self._queued:
+            try:
+                out.append(self._action(call, None))
+            except FormatError:
+                continue
+        return out
+
+    @staticmethod
+    def _action(call, content: str | None) -> Action:
+        fn = getattr(call, "function", None)
+        if fn is None:
+            raise FormatError("a tool call without a function: answer with function tool calls")
         try:
-            args = json.loads(call.function.arguments or "{}")
+            args = json.loads(fn.arguments or "{}")
         except json.JSONDecodeError as exc:
-            raise FormatError(f"the arguments of {call.function.name} are not valid JSON: {exc}") from exc
+            raise FormatError(f"the arguments of {fn.name} are not valid JSON: {exc}") from exc
         if not isinstance(args, dict):
-            raise FormatError(f"the arguments of {call.function.name} must be a JSON object")
+            raise FormatError(f"the arguments of {fn.name} must be a JSON object")
         message = {"role": "assistant", "content": content or None,
                    "tool_calls": [{"id": call.id, "type": "function",
-                                   "function": {"name": call.function.name, "arguments": call.function.arguments}}]}
-        return Action(call.function.name, args, message=message, call_id=call.id)
+                                   "function": {"name": fn.name, "arguments": fn.arguments}}]}
+        return Action(fn.name, args, message=message, call_id=call.id)

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from feedback.events import ENV_VAR, SAMPLE_VAR, Heartbeat, gil_blocked, read_events, spans
+from feedback.events import ENV_VAR, SAMPLE_VAR, Heartbeat, captured_timeline, gil_blocked, read_events, spans, timeline
 from target_stack.events import emit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,6 +33,21 @@ def test_events_are_jsonl_with_spans_and_survive_a_torn_line(tmp_path, monkeypat
     assert events[2]["thread"] == "prefill-thread" and events[0]["bytes"] == 4096
     ((name, secs),) = spans(events)
     assert name == "kv_transfer" and secs >= 0
+    # what the probe's result keeps: the span on its thread, a start never ended as a mark of no length
+    line = captured_timeline()
+    assert [(s["thread"], s["name"]) for s in line] == [("MainThread", "kv_transfer"),
+                                                        ("prefill-thread", "prefill (no end)")]
+    assert line[0]["dur_ms"] == pytest.approx(secs * 1e3, abs=1e-3) and line[1]["dur_ms"] == 0
+
+
+def test_a_timeline_keeps_the_longest_spans_and_names_processes_when_several_wrote():
+    events = [{"t": i * 1e-3, "event": f"s.{edge}", "pid": pid, "thread": "w", "id": i // 2}
+              for pid in (10, 11) for i, edge in enumerate(["start", "done"] * 6)]
+    events += [{"t": 0.0, "event": "long.start", "pid": 10, "thread": "w"}, {"t": 0.5, "event": "long.done", "pid": 10,
+                                                                            "thread": "w"}]
+    line = timeline(events, limit=3)
+    assert len(line) == 3 and line[0]["name"] == "long" and line[0]["dur_ms"] == pytest.approx(500)
+    assert {s["thread"] for s in timeline(events)} == {"pid 10: w", "pid 11: w"}
 
 
 def test_emit_is_a_no_op_without_a_destination(monkeypatch, tmp_path):

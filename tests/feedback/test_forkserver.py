@@ -14,6 +14,7 @@ from feedback.manifest import parse_manifest
 from feedback.models import Status
 from feedback.runner import Runner
 from tests.support.processes import alive
+from tests.support.trees import probe_tree
 
 pytestmark = pytest.mark.skipif(not forkserver.enabled(), reason="the fork server needs Linux (pidfd, SCM_RIGHTS)")
 
@@ -134,18 +135,12 @@ def test_a_server_is_per_environment_and_retires_when_idle(tmp_path, home, monke
 
 
 def test_the_harness_killing_a_warm_probe_kills_its_process_group(tmp_path, home):
-    tree = tmp_path / "t"
-    (tree / "sleepy").mkdir(parents=True)
-    (tree / "sleepy" / "__init__.py").write_text("")
-    (tree / "sleepy" / "probe.py").write_text(
-        "import subprocess, sys, time, pathlib\n"
-        "def hang(ctx):\n"
-        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "    pathlib.Path('child.pid').write_text(str(child.pid))\n"
-        "    time.sleep(600)\n")
-    (tree / "infra-agent.yaml").write_text(
-        "schema_version: 1\nname: sleepy\npython_path: ['.']\nprobes:\n"
-        "  - {id: sleepy.hang, kind: correctness, entry: 'sleepy.probe:hang', budget_s: 3}\n")
+    tree = probe_tree(tmp_path / "t", "sleepy", "import subprocess, sys, time, pathlib\n"
+                      "def hang(ctx):\n"
+                      "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      "    pathlib.Path('child.pid').write_text(str(child.pid))\n"
+                      "    time.sleep(600)\n",
+                      "  - {id: sleepy.hang, kind: correctness, entry: 'sleepy.probes:hang', budget_s: 3}\n")
     runner = Runner(tree, parse_manifest((tree / "infra-agent.yaml").read_text()), use_cache=False)
     (res,) = runner.run(runner.manifest.probes)
     assert res.status == Status.timeout and "budget_s=3" in res.reason

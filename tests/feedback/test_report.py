@@ -7,6 +7,7 @@ from rich.console import Console
 from feedback.harness import judge
 from feedback.report import render
 from infra_agent.session import render_summary
+from tests.support.trees import probe_tree
 
 
 def test_an_80_column_report_cuts_no_name_into_an_ellipsis(toy):
@@ -36,3 +37,21 @@ def test_a_narrow_session_summary_keeps_every_delta_whole():
     text = console.export_text()
     assert "…" not in text and "release-gil-native-calls" in text
     assert all(d in text for d in deltas), text
+
+
+def test_a_curve_of_three_sizes_or_more_gets_a_sparkline_and_a_percentile_does_not(tmp_path):
+    from feedback.report import curves, sparkline
+
+    tree = probe_tree(tmp_path / "t", "cv", "def chain(ctx):\n"
+                      "    for ranks, err in ((2, 2e-7), (8, 3e-5), (32, 4e-3)):\n"
+                      "        ctx.metric(f'err_p{ranks}', err, better='lower')\n"
+                      "    for q, ms in ((50, 1.0), (90, 2.0), (99, 9.0)):\n"
+                      "        ctx.metric(f'ttft_ms_p{q}', ms, better='lower')\n",
+                      "  - {id: cv.chain, kind: correctness, entry: 'cv.probes:chain'}\n")
+    report = judge(tree, use_cache=False)
+    (line,) = curves(report.results[0])  # the ranks, not the latency percentiles
+    assert line.startswith("err vs p ▁") and "█ " in line and "(p 2..32)" in line, line
+    console = Console(width=80, record=True, color_system=None)
+    render(report, console)
+    assert line in console.export_text()
+    assert sparkline([(1, 5.0), (2, 1.0), (4, 5.0)]) == "█▁█" and sparkline([(1, 0.0), (2, -1.0), (3, 0.0)]) == "█▁█"

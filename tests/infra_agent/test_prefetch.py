@@ -92,3 +92,40 @@ def test_judging_ahead_decides_as_a_sequential_session_does(tmp_path):
 
     assert cached(tmp_path / "two") == [True, True]
     assert cached(tmp_path / "one") == [False, False]
+
+
+def test_several_patches_in_one_model_reply_are_judged_together_then_taken_one_per_step(tmp_path):
+    """The real ``openai`` client, one reply with two ``propose_patch`` calls (a wrong fix, then the right
+    one): with ``parallel=2`` both candidates are judged together before the first is decided; the loop
+    then takes them one per step (no second request), each answered by its own tool message, and the
+    second's probe comes from the cache."""
+    from infra_agent.agent import Agent, Limits
+    from infra_agent.backends.openai_backend import OpenAIBackend
+    from infra_agent.workspace import GitWorkspace
+    from tests.support.chat import ScriptedServer, completion, ok
+    from tests.support.toy_agent import FIX, make_toy
+
+    root = make_toy(tmp_path / "toy_target")
+    wrong = FIX.replace("return 1.0", "return 2.0")
+    calls = [{"id": f"call_{i}", "type": "function",
+              "function": {"name": "propose_patch", "arguments": json.dumps({"hypothesis": h, "diff": d})}}
+             for i, (h, d) in enumerate([("off by -0.5", wrong), ("off by 0.5", FIX)])]
+    script = [ok(completion({"role": "assistant", "content": "two guesses", "tool_calls": calls}))]
+    events = []
+    os.environ.setdefault("OPENAI_API_KEY", "sk-test-prefetch-0123456789")
+    with ScriptedServer(script) as server:  # then "finish" (the server's answer once its script is spent)
+        ws = GitWorkspace.external(root, "together")
+        agent = Agent(OpenAIBackend(model="m", base_url=server.url, max_retries=0), ws, "make the probe pass",
+                      Limits(max_steps=6, parallel=2), on_event=lambda kind, data: events.append((kind, data)))
+        assert agent.run() == "finished"
+        ws.close()
+        requests = len(server.requests)
+    assert requests == 2  # the reply with both calls, then the one that finished
+    ahead = [d["what"] for k, d in events if k == "judging" and "ahead" in str(d.get("what"))]
+    assert ahead == ["2 candidates ahead, together"], ahead
+    assert [(a.step, a.decision) for a in agent.attempts] == [(1, "discarded"), (2, "accepted")]
+    said = [(m["role"], m.get("tool_call_id") or [c["id"] for c in m.get("tool_calls") or []])
+            for m in agent.messages if m["role"] in ("assistant", "tool")]
+    assert said[:4] == [("assistant", ["call_0"]), ("tool", "call_0"), ("assistant", ["call_1"]), ("tool", "call_1")]
+    second = agent.attempts[1].report  # judged ahead: its probe's result was waiting in the cache
+    assert second.results and all(r.cached for r in second.results), [(r.probe, r.cached) for r in second.results]

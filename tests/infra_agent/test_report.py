@@ -111,3 +111,33 @@ def test_the_committed_records_make_one_page(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "report", "--experiments", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such folder" in bad.stderr
+
+
+def test_an_events_probes_timeline_is_drawn_per_thread_before_and_after(tmp_path):
+    """The bundled KV-transfer probe, run for real: its result keeps the spans it read, and the page draws
+    them per thread (the transfer thread its own row) on one time axis for both sides."""
+    import xml.etree.ElementTree as ET
+
+    from feedback.models import ProbeResult
+    from infra_agent import report
+
+    def judged(tree_args: list[str]) -> ProbeResult:
+        run = subprocess.run([sys.executable, "-m", "infra_agent.cli", "feedback", *tree_args, "--probe",
+                              "engine.kv_transfer.events", "--no-cache", "--json"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode in (0, 1), run.stderr[-2000:]
+        return ProbeResult.model_validate(json.loads(run.stdout)["results"][0])
+
+    res = judged([])
+    threads = {s.thread for s in res.timeline}
+    assert "kv-transfer" in threads and len(threads) >= 2, threads
+    assert any(s.name == "kv_transfer" and s.dur_ms > 0 for s in res.timeline)
+    assert any(s.name == "dispatch" and s.dur_ms > 0 for s in res.timeline)  # the native MoE calls
+    (plot,) = report.timelines({"engine.kv_transfer.events": (res, res.model_copy(update={"timeline": []}))})
+    root = ET.fromstring(plot)  # well-formed SVG
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    rects = [r for r in root.iter(f"{{{ns['s']}}}rect") if r.get("class") == "span"]
+    assert len(rects) == len(res.timeline)
+    labels = {t.text for t in root.iter(f"{{{ns['s']}}}text")}
+    assert {"baseline (no events)", "candidate"} <= labels and "kv-transfer" in labels
+    assert all(float(r.get("width")) > 0 for r in rects)

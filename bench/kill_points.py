@@ -1,0 +1,173 @@
+"""``kill -9`` of ``infra-agent run`` at random moments, then ``--resume``: nothing acknowledged is lost.
+
+    python bench/kill_points.py [--kills 8] [--json bench/out/kill_points.json]
+
+One session on the toy target (the real CLI; the real ``openai`` client against a scripted server on
+127.0.0.1; the harness judging the proposed patch in its worktree) is timed once whole.  Each trial
+then starts the same session afresh and kills it with SIGKILL at a moment drawn uniformly over that
+time (from ``os.urandom``: anywhere from start-up to the last record), and checks:
+
+* no process of the session is left 10 s later: none whose working directory lies in the trial's
+  folders (the probes run there, forked or cold);
+* the user's branch and working tree never moved;
+* everything written parses: every trajectory line but a torn last one, every experiment record;
+* ``infra-agent run --resume SESSION`` (when the session had begun) ends finished with the fix on the
+  session branch, or says plainly that it already finished; a session killed before it began leaves
+  no session behind.
+
+The deterministic kill points (mid-probe, mid-approval, mid-queue-write) are CI tests
+(``tests/infra_agent/test_resume.py``, ``test_review.py``); this is the randomised run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.support.chat import ScriptedServer, ok, tool_call  # noqa: E402
+from tests.support.processes import alive  # noqa: E402
+from tests.support.toy_agent import FIX, make_toy  # noqa: E402
+
+
+def _script() -> list:
+    return [ok(tool_call("read_file", path="toy/core.py")),
+            ok(tool_call("propose_patch", hypothesis="compute is off by 0.5", diff=FIX)),
+            ok(tool_call("finish", summary="fixed"))]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "infra_agent.cli", *args]
+
+
+def _left_behind(folder: pathlib.Path) -> list[str]:
+    """Processes whose working directory lies in ``folder`` (but this one's own: GitPython's readers)."""
+    out = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cwd = pathlib.Path(os.readlink(proc / "cwd"))
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid():
+            continue
+        if cwd.is_relative_to(folder) and alive(int(proc.name)):
+            out.append(f"{proc.name}: {cmd}")
+    return out
+
+
+def _session(root: pathlib.Path, env: dict, script: list, kill_after: float | None,
+             cwd: pathlib.Path) -> tuple[float, str]:
+    with ScriptedServer(script) as server:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(_cli("run", "--target", str(root), "--backend", "openai", "--model", "m",
+                                     "--base-url", server.url, "--max-steps", "6", "--json"),
+                                cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if kill_after is None:
+            out = proc.communicate(timeout=600)[0]
+            return time.perf_counter() - t0, out
+        try:
+            proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        return time.perf_counter() - t0, out
+
+
+def trial(work: pathlib.Path, env: dict, kill_after: float) -> dict:
+    import git
+
+    from feedback.state import StateDir
+    from infra_agent.experiments import RecordError, load_record
+    from infra_agent.resume import ResumeError, read_trajectory
+
+    root = make_toy(work / "toy_target")
+    head = git.Repo(root).head.commit.hexsha
+    _session(root, env, _script(), kill_after, work)
+    problems = []
+    deadline = time.monotonic() + 10
+    while (left := _left_behind(work)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    problems += [f"left running: {p}" for p in left]
+    repo = git.Repo(root)
+    if repo.active_branch.name != "main" or repo.head.commit.hexsha != head or repo.is_dirty(untracked_files=True):
+        problems.append("the user's branch or working tree moved")
+    state = StateDir.for_target(root)
+    sessions = sorted(state.workspaces.iterdir()) if state.workspaces.is_dir() else []
+    for folder in sessions:
+        try:
+            read_trajectory(folder / "trajectory.jsonl")
+        except ResumeError as exc:
+            if "no trajectory" not in str(exc):
+                problems.append(f"trajectory: {exc}")
+    for record in sorted(state.experiments.glob("*.yaml")) if state.experiments.is_dir() else []:
+        try:
+            load_record(record)
+        except RecordError as exc:
+            problems.append(f"half-written record {record.name}: {exc}")
+    outcome = "not begun"
+    if sessions:
+        (folder,) = sessions
+        with ScriptedServer(_script()[1:]) as server:
+            out = subprocess.run(_cli("run", "--resume", folder.name, "--target", str(root), "--base-url",
+                                      server.url, "--json"), cwd=work, env=env, capture_output=True, text=True,
+                                 timeout=600)
+        if out.returncode == 2 and "already finished" in out.stderr:
+            outcome = "already finished"
+        elif out.returncode == 0 and json.loads(out.stdout)["outcome"] == "finished":
+            outcome = "resumed"
+        elif out.returncode == 2 and "no trajectory" in out.stderr:
+            outcome = "not begun"  # killed before its first line: nothing was acknowledged
+        else:
+            problems.append(f"resume failed (exit {out.returncode}): {(out.stderr or out.stdout).strip()[-300:]}")
+            outcome = "failed"
+        if outcome in ("resumed", "already finished"):
+            fixed = repo.git.show(f"infra-agent/{folder.name}:toy/core.py")
+            if "return 1.0" not in fixed:
+                problems.append("the session branch lacks the fix after resuming")
+    return dict(kill_after_s=round(kill_after, 2), outcome=outcome, problems=problems)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=8)
+    ap.add_argument("--json", type=pathlib.Path, default=ROOT / "bench" / "out" / "kill_points.json")
+    args = ap.parse_args()
+    base = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-kills-"))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
+    os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]  # where this process looks for what they wrote
+    for warm in ("cold", "warm"):  # the second as the trials run: the fork server up, caches filled
+        whole, _ = _session(make_toy(base / warm / "toy_target"), env, _script(), None, base / warm)
+        print(f"one whole session ({warm}): {whole:.1f} s")
+    trials = []
+    for i in range(args.kills):
+        at = int.from_bytes(os.urandom(4), "little") / 2**32 * whole
+        (base / f"t{i}").mkdir()
+        t = trial(base / f"t{i}", env, at)
+        trials.append(t)
+        print(f"  kill at {t['kill_after_s']:5.1f} s: {t['outcome']:<17} "
+              + ("; ".join(t["problems"]) if t["problems"] else "ok"), flush=True)
+    lost = sum(1 for t in trials if t["problems"])
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "whole_session_s": round(whole, 1), "kills": args.kills,
+              "with_problems": lost, "trials": trials}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"{args.kills} kills, {lost} with a problem; wrote {args.json}")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
