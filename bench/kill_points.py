@@ -4,8 +4,9 @@
 
 One session on the toy target (the real CLI; the real ``openai`` client against a scripted server on
 127.0.0.1; the harness judging the proposed patch in its worktree) is timed once whole.  Each trial
-then starts the same session afresh and kills it with SIGKILL at a moment drawn uniformly over that
-time (from ``os.urandom``: anywhere from start-up to the last record), and checks:
+then starts the same session afresh and kills it with SIGKILL at a moment drawn uniformly (from
+``os.urandom``) between its trajectory's first line and its end: judging the baseline, proposing,
+judging the candidate in its worktree, merging, writing the record and the trajectory; and checks:
 
 * no process of the session is left 10 s later: none whose working directory lies in the trial's
   folders (the probes run there, forked or cold);
@@ -69,21 +70,40 @@ def _left_behind(folder: pathlib.Path) -> list[str]:
 
 
 def _session(root: pathlib.Path, env: dict, script: list, kill_after: float | None,
-             cwd: pathlib.Path) -> tuple[float, str]:
+             cwd: pathlib.Path) -> tuple[float, float]:
+    """Run a session to its end (``kill_after`` None: returns when its trajectory began and when it ended,
+    in seconds from the start) or kill it ``kill_after`` seconds in."""
+    from feedback.state import StateDir
+
     with ScriptedServer(script) as server:
         t0 = time.perf_counter()
         proc = subprocess.Popen(_cli("run", "--target", str(root), "--backend", "openai", "--model", "m",
                                      "--base-url", server.url, "--max-steps", "6", "--json"),
                                 cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if kill_after is None:
-            out = proc.communicate(timeout=600)[0]
-            return time.perf_counter() - t0, out
+            sessions, begun = StateDir.for_target(root).workspaces, None
+            while proc.poll() is None:
+                if begun is None and sessions.is_dir() and any(sessions.glob("*/trajectory.jsonl")):
+                    begun = time.perf_counter() - t0
+                time.sleep(0.005)
+            proc.communicate()
+            end = time.perf_counter() - t0
+            return (begun if begun is not None else end), end
         try:
             proc.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
-        out = proc.communicate()[0]
-        return time.perf_counter() - t0, out
+        proc.communicate()
+        return kill_after, time.perf_counter() - t0
+
+
+def window(base: pathlib.Path, env: dict) -> tuple[float, float]:
+    """When a session's trajectory begins and when it ends, from its start, as the trials will see it (the
+    second of two runs: the fork server up).  Before the first line nothing is written, so the kills are
+    drawn between the two."""
+    for warm in ("cold", "warm"):
+        begun, end = _session(make_toy(base / warm / "toy_target"), env, _script(), None, base / warm)
+    return begun, end
 
 
 def trial(work: pathlib.Path, env: dict, kill_after: float) -> dict:
@@ -149,19 +169,19 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
     env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
     os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]  # where this process looks for what they wrote
-    for warm in ("cold", "warm"):  # the second as the trials run: the fork server up, caches filled
-        whole, _ = _session(make_toy(base / warm / "toy_target"), env, _script(), None, base / warm)
-        print(f"one whole session ({warm}): {whole:.1f} s")
+    begun, whole = window(base, env)
+    print(f"one whole session: its trajectory begins at {begun:.2f} s, it ends at {whole:.2f} s")
     trials = []
     for i in range(args.kills):
-        at = int.from_bytes(os.urandom(4), "little") / 2**32 * whole
+        at = begun + int.from_bytes(os.urandom(4), "little") / 2**32 * (whole - begun)
         (base / f"t{i}").mkdir()
         t = trial(base / f"t{i}", env, at)
         trials.append(t)
         print(f"  kill at {t['kill_after_s']:5.1f} s: {t['outcome']:<17} "
               + ("; ".join(t["problems"]) if t["problems"] else "ok"), flush=True)
     lost = sum(1 for t in trials if t["problems"])
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "whole_session_s": round(whole, 1), "kills": args.kills,
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "trajectory_begins_s": round(begun, 2),
+              "whole_session_s": round(whole, 2), "kills": args.kills,
               "with_problems": lost, "trials": trials}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

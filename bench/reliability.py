@@ -138,14 +138,19 @@ def _crashes() -> dict:
     return dict(cases=len(nodes), caught=len(nodes) - len(missed), missed=missed, crashed=[])
 
 
-def _pytest(node: str, env: dict | None = None) -> tuple[bool, str]:
+def _pytest(node: str, env: dict | None = None, log: pathlib.Path | None = None) -> tuple[bool, str]:
+    """Run one test node; with ``log``, its whole output is kept there (a failure's falsifying example)."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", node],
                           cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stdout + proc.stderr)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip().splitlines()[-1:]
 
 
-def _hostile(examples: int) -> dict:
-    ok, tail = _pytest("tests/infra_agent/test_hostile_model.py", {"INFRA_AGENT_HOSTILE_EXAMPLES": str(examples)})
+def _hostile(examples: int, out: pathlib.Path | None = None) -> dict:
+    ok, tail = _pytest("tests/infra_agent/test_hostile_model.py", {"INFRA_AGENT_HOSTILE_EXAMPLES": str(examples)},
+                       log=out / "hostile.log" if out else None)
     return dict(cases=examples, caught=examples if ok else 0, missed=[], crashed=[] if ok else tail)
 
 
@@ -163,15 +168,13 @@ def _random_kills(kills: int) -> dict:
     saved = os.environ.get("INFRA_AGENT_HOME")
     os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]
     try:
-        from bench.kill_points import _script, _session
-        from tests.support.toy_agent import make_toy
+        from bench.kill_points import window
 
-        for warm in ("cold", "warm"):
-            whole, _ = _session(make_toy(base / warm / "toy_target"), env, _script(), None, base / warm)
+        begun, whole = window(base, env)
         missed = []
         for i in range(kills):
             (base / f"t{i}").mkdir()
-            t = trial(base / f"t{i}", env, int.from_bytes(os.urandom(4), "little") / 2**32 * whole)
+            t = trial(base / f"t{i}", env, begun + int.from_bytes(os.urandom(4), "little") / 2**32 * (whole - begun))
             missed += [f"kill at {t['kill_after_s']} s: {p}" for p in t["problems"]]
         return dict(cases=kills, caught=kills - len({m.split(':')[0] for m in missed}), missed=missed, crashed=[])
     finally:
@@ -190,7 +193,8 @@ def main() -> int:
     args = ap.parse_args()
     areas = [("reaching the judges (refused)", _tamper), ("gate corpus (expected decision)", _gate),
              ("cheating kernels (incorrect)", _cheats),
-             ("hostile model output (no crash, no write)", lambda: _hostile(args.hostile_examples)),
+             ("hostile model output (no crash, no write)",
+              lambda: _hostile(args.hostile_examples, pathlib.Path(args.out))),
              ("timing cheats (failed, reason named)", _timing),
              ("kill -9 of the harness (processes reaped)", _lifeline),
              ("kill -9 mid-session, mid-approval, mid-write", _crashes),
