@@ -108,6 +108,16 @@ def test_the_committed_records_make_one_page(tmp_path):
     assert f"{len(records)} record(s)" in text
     assert all(f'id="{r.stem}"' in text for r in records)
     assert "kda.cp.merge: err against p" in text  # the cp-tf32 fix: error against partitions, before and after
+    spans = text.count('class="span"')
+    assert "engine.kv_transfer.events: runtime events per thread" in text and spans > 0  # the GIL fix's timeline
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is not None:  # as a person sees it: every span drawn, nothing complained of
+        args = [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                f"--user-data-dir={tmp_path / 'profile'}"]
+        seen = subprocess.run([*args, "--dump-dom", (tmp_path / "x.html").as_uri()], capture_output=True, text=True,
+                              timeout=120)
+        assert seen.stdout.count('class="span"') == spans, seen.stderr[-2000:]
+        assert not [ln for ln in seen.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "report", "--experiments", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such folder" in bad.stderr
