@@ -202,7 +202,12 @@ class Agent:
         if action.name == "propose_patch":
             a = action.args
             return self.propose_patch(a["hypothesis"], a["diff"], a.get("playbook_id"))
-        return self.env.execute(action)
+        try:
+            return self.env.execute(action)
+        except FormatError as exc:  # a path outside the target, a pattern no one can use: the model is told
+            return f"error: {exc}"
+        except (OSError, ValueError) as exc:  # the machine refused the tool: said, never the session's end
+            return f"error: {action.name} failed: {type(exc).__name__}: {str(exc)[:300]}"
 
     def propose_patch(self, hypothesis: str, diff: str, playbook: str | None) -> str:
         base_commit = self.ws.head()

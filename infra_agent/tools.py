@@ -145,21 +145,36 @@ class Environment:
 
 
 def _inside(tree: pathlib.Path, rel: str) -> pathlib.Path:
-    p = (tree / rel).resolve()
+    """``tree / rel`` resolved (symlinks followed), or a FormatError for the model: a path that leaves the
+    tree, or one no file system takes (a NUL byte, a name too long)."""
+    try:
+        p = (tree / rel).resolve()
+        p.exists()
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"path {rel[:80]!r} is not a usable path: {exc}") from None
     if tree.resolve() not in (p, *p.parents):
-        raise FormatError(f"path {rel!r} is outside the target")
+        raise FormatError(f"path {rel[:80]!r} is outside the target")
     return p
 
 
 def _visible(tree: pathlib.Path, p: pathlib.Path) -> bool:
-    return p.is_file() and not SKIP_PARTS & set(p.relative_to(tree).parts)
+    """A file of the tree (its real path inside it, not through a symlink out) and not our state."""
+    try:
+        real = p.resolve()
+        return (p.is_file() and tree.resolve() in real.parents
+                and not SKIP_PARTS & set(real.relative_to(tree.resolve()).parts))
+    except (OSError, ValueError):
+        return False
 
 
 def read_file(tree: pathlib.Path, rel: str, start: int = 1, end: int | None = None) -> str:
     p = _inside(tree, rel)
     if not p.is_file():
         return f"error: no file {rel}"
-    lines = p.read_text(errors="replace").splitlines()
+    try:
+        lines = p.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"error: cannot read {rel}: {exc.strerror or exc}"
     start = max(1, start)
     end = min(len(lines), end if end else start + 199)
     body = "\n".join(f"{i:5d}  {lines[i - 1]}" for i in range(start, end + 1))
@@ -170,10 +185,17 @@ def read_file(tree: pathlib.Path, rel: str, start: int = 1, end: int | None = No
 def grep(tree: pathlib.Path, pattern: str, glob: str = "**/*", cap: int = 80) -> str:
     try:
         rx = re.compile(pattern)
-    except re.error as exc:
-        raise FormatError(f"grep: invalid regex {pattern!r}: {exc}") from exc
+    except (re.error, ValueError, RecursionError) as exc:
+        raise FormatError(f"grep: invalid regex {pattern[:80]!r}: {exc}") from None
+    parts = pathlib.PurePosixPath(glob).parts
+    if not glob.strip() or glob.startswith(("/", "~")) or ".." in parts or "\0" in glob:
+        raise FormatError(f"grep: glob {glob[:80]!r} must be a non-empty pattern relative to the target, without '..'")
+    try:
+        found = sorted(tree.glob(glob))
+    except (OSError, ValueError, IndexError, NotImplementedError) as exc:
+        raise FormatError(f"grep: glob {glob[:80]!r} is not a usable pattern: {exc}") from None
     hits = []
-    for p in sorted(tree.glob(glob)):
+    for p in found:
         if not _visible(tree, p):
             continue
         try:
@@ -190,6 +212,10 @@ def list_files(tree: pathlib.Path, rel: str = ".", cap: int = 300) -> str:
     d = _inside(tree, rel)
     if not d.is_dir():
         return f"error: no directory {rel}"
-    files = [str(p.relative_to(tree)) for p in sorted(d.rglob("*")) if _visible(tree, p)]
+    root = tree.resolve()
+    try:
+        files = [str(p.relative_to(root)) for p in sorted(d.rglob("*")) if _visible(root, p)]
+    except OSError as exc:
+        return f"error: cannot list {rel}: {exc.strerror or exc}"
     more = f"\n... {len(files) - cap} more" if len(files) > cap else ""
     return "\n".join(files[:cap]) + more
