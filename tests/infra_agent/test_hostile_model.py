@@ -46,9 +46,16 @@ ARG_VALUES = HOSTILE_TEXT | st.integers(-10**9, 10**9) | st.none() | st.lists(HO
 NAMES = st.sampled_from(sorted(TOOL_NAMES) + ["rm_rf", "", "read_file\x00", "shell", "propose_patch "])
 
 
+LOOKING = {"read_file": "path", "list_files": "dir", "grep": "glob"}  # each tool's path-like argument
+
+
 @st.composite
 def replies(draw):
-    kind = draw(st.sampled_from(["tool", "tool", "tool", "raw", "text", "status", "patch"]))
+    kind = draw(st.sampled_from(["tool", "tool", "tool", "look", "look", "raw", "text", "status", "patch"]))
+    if kind == "look":  # a looking tool with a hostile path or glob: the arguments most likely to escape or crash
+        name = draw(st.sampled_from(sorted(LOOKING)))
+        args = {LOOKING[name]: draw(HOSTILE_TEXT)} | ({"pattern": draw(HOSTILE_TEXT)} if name == "grep" else {})
+        return ok(tool_call(name, **args))
     if kind == "status":
         code = draw(st.sampled_from([429, 500, 400, 503]))
         return code, {"error": {"message": draw(HOSTILE_TEXT)[:200], "type": "server_error"}}
@@ -74,9 +81,9 @@ def _snapshot(root: pathlib.Path) -> dict[str, bytes]:
     return out
 
 
-# 15 in CI; bench/reliability.py runs more (INFRA_AGENT_HOSTILE_EXAMPLES)
+# 30 in CI; bench/reliability.py runs more (INFRA_AGENT_HOSTILE_EXAMPLES)
 # one failure, its own exception (not a group of them) in the summary line
-@settings(max_examples=int(os.environ.get("INFRA_AGENT_HOSTILE_EXAMPLES", "15")), deadline=None, database=None,
+@settings(max_examples=int(os.environ.get("INFRA_AGENT_HOSTILE_EXAMPLES", "30")), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
 @given(script=st.lists(replies(), min_size=1, max_size=MAX_STEPS + 3))
 def test_hostile_replies_never_crash_the_loop_or_write_outside_its_worktrees(script):
