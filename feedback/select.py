@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pathlib
 import re
-import subprocess
 
 from feedback.manifest import STAGE_ORDER, Manifest, ProbeSpec
 from feedback.state import SKIP_PARTS
+from feedback.targets import commit_of, git, repo_root
 
 _DIFF_PATH = re.compile(r"^(?:---|\+\+\+) (?:[ab]/)?(?P<path>\S+)")
 
@@ -39,32 +39,22 @@ def files_in_diff(text: str) -> list[str]:
     return paths
 
 
-def _git(cwd: pathlib.Path, *args: str) -> str:
-    out = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise subprocess.CalledProcessError(out.returncode, args, out.stdout, out.stderr)
-    return out.stdout
-
-
 def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
-    """Files that differ between ``rev`` and the working tree (untracked files included).
-
-    Plain ``git`` commands (no GitPython: this runs on every ``feedback --changed-from``, whose
-    cached answer should come back in well under a second)."""
+    """Files that differ between ``rev`` and the working tree (untracked files included)."""
     tree = pathlib.Path(tree).resolve()
-    try:
-        root = pathlib.Path(_git(tree, "rev-parse", "--show-toplevel").strip()).resolve()
-    except (subprocess.CalledProcessError, OSError) as exc:
-        raise ValueError(f"--changed-from needs a git repository, and {tree} is not in one") from exc
-    try:
-        _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    except subprocess.CalledProcessError as exc:
-        raise ValueError(f"unknown revision {rev!r}") from exc
+    root = repo_root(tree)
+    if root is None:
+        raise ValueError(f"--changed-from needs a git repository, and {tree} is not in one")
+    if commit_of(root, rev) is None:
+        raise ValueError(f"unknown revision {rev!r}")
     sub = tree.relative_to(root)
     where = str(sub) if str(sub) != "." else "."
-    names = _git(root, "-c", "core.quotepath=off", "diff", "--name-only", rev, "--", where).splitlines()
-    names += _git(root, "-c", "core.quotepath=off", "ls-files", "--others", "--exclude-standard", "--",
-                  where).splitlines()
+    names = []
+    for args in (("diff", "--name-only", rev), ("ls-files", "--others", "--exclude-standard")):
+        out = git(root, "-c", "core.quotepath=off", *args, "--", where)
+        if out.returncode != 0:
+            raise ValueError(f"git {args[0]} failed: {out.stderr.decode(errors='replace').strip()}")
+        names += out.stdout.decode().splitlines()
     out = []
     for n in names:
         p = pathlib.Path(n)

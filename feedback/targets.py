@@ -62,22 +62,37 @@ def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
     return dest
 
 
+def git(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """``git -C cwd ARGS``, its output as bytes.  Plain ``git`` rather than GitPython on the feedback path:
+    every ``feedback --changed-from`` asks what changed and exports its baseline."""
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
+
+
+def repo_root(path: pathlib.Path) -> pathlib.Path | None:
+    """The top of the git repository ``path`` is in, or None."""
+    try:
+        top = git(path, "rev-parse", "--show-toplevel")
+    except OSError:
+        return None
+    return pathlib.Path(top.stdout.decode().strip()).resolve() if top.returncode == 0 else None
+
+
+def commit_of(root: pathlib.Path, rev: str) -> str | None:
+    """The commit ``rev`` names in the repository at ``root``, or None."""
+    out = git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    return out.stdout.decode().strip() if out.returncode == 0 else None
+
+
 def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:
-    """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout).
-
-    Plain ``git archive`` (no GitPython: a ``feedback --changed-from`` exports its baseline every time)."""
-    def git(*args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
-
+    """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout)."""
     repo_dir = pathlib.Path(repo_dir).resolve()
-    top = git("rev-parse", "--show-toplevel", cwd=repo_dir)
-    if top.returncode != 0:
+    root = repo_root(repo_dir)
+    if root is None:
         raise ValueError(f"{repo_dir} is not in a git repository")
-    root = pathlib.Path(top.stdout.decode().strip()).resolve()
-    commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
-    if commit.returncode != 0:
+    commit = commit_of(root, rev)
+    if commit is None:
         raise ValueError(f"unknown revision {rev!r} in {root}")
-    archive = git("archive", "--format=tar", commit.stdout.decode().strip(), cwd=root)
+    archive = git(root, "archive", "--format=tar", commit)
     if archive.returncode != 0:
         raise ValueError(f"git archive of {rev!r} failed: {archive.stderr.decode(errors='replace').strip()}")
     dest = pathlib.Path(dest)
