@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib
 import json
@@ -86,6 +87,7 @@ def idle_s() -> float:
 # --- the harness's side -----------------------------------------------------------------------------------
 
 
+@functools.cache
 def _harness_digest() -> str:
     """The harness's own source: a server started before an edit of ``feedback/`` is never used after it."""
     h = hashlib.sha256()
@@ -93,9 +95,6 @@ def _harness_digest() -> str:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
-
-
-_DIGEST = _harness_digest()
 
 
 def split_path(pythonpath: str) -> tuple[list[str], list[str]]:
@@ -121,7 +120,7 @@ def preload_for(tree_roots: list[str]) -> tuple[str, ...]:
 def server_key(env: dict[str, str], shared_path: list[str], preload: tuple[str, ...]) -> str:
     h = hashlib.sha256()
     kept = sorted((k, v) for k, v in env.items() if k not in PER_PROBE | VOLATILE)
-    h.update(json.dumps([sys.executable, _DIGEST, shared_path, list(preload), kept]).encode())
+    h.update(json.dumps([sys.executable, _harness_digest(), shared_path, list(preload), kept]).encode())
     return h.hexdigest()[:20]
 
 
@@ -150,24 +149,15 @@ class Forked:
         self._conn.close()
         return self.returncode
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.wait(0)
-        return self.returncode
-
 
 _lock = threading.Lock()
 _cold: dict[str, str] = {}  # servers that could not start: key -> why (their probes run cold in this process)
-_started: list[subprocess.Popen] = []
+_started: list[subprocess.Popen] = []  # the servers this process started: a running child's Popen must not be
+#                                        collected (it would warn and lose track of the process)
 
 
-def cold_reason(key: str) -> str | None:
-    return _cold.get(key)
-
-
-def _socket_dir() -> pathlib.Path:
-    return state_home() / "forkserver"
+def _socket_dir(home: pathlib.Path | None = None) -> pathlib.Path:
+    return (home or state_home()) / "forkserver"
 
 
 def socket_path(key: str) -> pathlib.Path | None:
@@ -283,7 +273,7 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
 def servers(home: pathlib.Path | None = None) -> list[int]:
     """The pids of the fork servers of a state home (from their pid files)."""
     out = []
-    for pidfile in ((home or state_home()) / "forkserver").glob("*.pid"):
+    for pidfile in _socket_dir(home).glob("*.pid"):
         with contextlib.suppress(ValueError, OSError):
             out.append(int(pidfile.read_text()))
     return out
@@ -425,10 +415,15 @@ def serve(path: str, pidfile: str, preload: list[str]) -> int:
     ino = os.stat(path).st_ino
     pathlib.Path(pidfile).write_text(str(os.getpid()))
 
+    def ours() -> bool:  # the socket at ``path`` is still this server's (not removed, not another's)
+        try:
+            return os.stat(path).st_ino == ino
+        except FileNotFoundError:
+            return False
+
     def retire(*_args) -> None:  # SIGTERM: no new connection from here on, then out of the loop
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == ino:
-                os.unlink(path)
+        if ours():
+            os.unlink(path)
         stop.set()
 
     signal.signal(signal.SIGTERM, retire)
@@ -439,11 +434,7 @@ def serve(path: str, pidfile: str, preload: list[str]) -> int:
             try:
                 conn, _ = sock.accept()
             except TimeoutError:
-                try:
-                    displaced = os.stat(path).st_ino != ino
-                except FileNotFoundError:
-                    displaced = True
-                if displaced or time.monotonic() - last > idle:
+                if not ours() or time.monotonic() - last > idle:
                     break
                 continue
             except InterruptedError:
@@ -462,9 +453,8 @@ def serve(path: str, pidfile: str, preload: list[str]) -> int:
                     os._exit(0)
             conn.close()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == ino:
-                os.unlink(path)
+        if ours():
+            os.unlink(path)
         with contextlib.suppress(FileNotFoundError):
             if pathlib.Path(pidfile).read_text() == str(os.getpid()):
                 os.unlink(pidfile)

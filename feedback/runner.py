@@ -270,13 +270,13 @@ class Runner:
 
     def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool,
                stamps: list[tuple[float, str]] | None = None,
-               worker: list[str] | None = None) -> tuple[int | None, str, str, float, bool]:
+               warm: bool = False) -> tuple[int | None, str, str, float, bool]:
         """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)
 
         With ``stamps``, the probe gets the write end of a pipe (``INFRA_AGENT_WITNESS_FD``) and every
-        line it writes there is appended with this process's clock at its arrival.  With ``worker`` (the
-        arguments of ``feedback.worker``, which ``argv`` runs cold), the probe is forked by a warm server
-        where one can serve it (``feedback/forkserver.py``), the same process in every other respect."""
+        line it writes there is appended with this process's clock at its arrival.  With ``warm`` (``argv`` is
+        ``python -m feedback.worker ARGS``), the probe is forked by a warm server where one can serve it
+        (``feedback/forkserver.py``), the same process in every other respect."""
         limit = spec.memory_mb
 
         def preexec() -> None:
@@ -290,8 +290,8 @@ class Runner:
             reader = threading.Thread(target=_read_witness, args=(rfd, stamps), daemon=True)
         t0 = time.perf_counter()
         try:
-            proc = forkserver.spawn(worker, env, str(self.tree), witness_fd=fds[0] if fds else None) \
-                if worker is not None and not limit else None
+            proc = forkserver.spawn(argv[3:], env, str(self.tree), witness_fd=fds[0] if fds else None) \
+                if warm and not limit else None
             if proc is None:
                 proc = subprocess.Popen(argv, cwd=self.tree, env=env, shell=shell, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -353,7 +353,7 @@ class Runner:
             stamps: list[tuple[float, str]] = []
             rc, stdout, stderr, secs, timed_out = self._spawn(
                 spec, [sys.executable, "-m", "feedback.worker", str(req), str(out)], shell=False, stamps=stamps,
-                worker=[str(req), str(out)])
+                warm=True)
             if timed_out:
                 return ProbeResult(probe=spec.id, status=Status.timeout, duration_s=secs, stdout=stdout, stderr=stderr,
                                    reason=f"no result within budget_s={spec.budget_s:g}; process group killed"), False

@@ -121,7 +121,7 @@ def timeline(title: str, sides: dict[str, list], width: int = 860, lane: int = 9
         return ""
     lanes: dict[str, int] = {}
     for s in spans:
-        lanes[s.thread] = max(lanes.get(s.thread, 1), getattr(s, "depth", 0) + 1)
+        lanes[s.thread] = max(lanes.get(s.thread, 1), s.depth + 1)
     threads = sorted(lanes)
     offset, y = {}, 18
     for t in threads:
@@ -146,7 +146,7 @@ def timeline(title: str, sides: dict[str, list], width: int = 860, lane: int = 9
                         f'fill="{INK}">{_esc(t[-24:])}</text>')
             body.append(f'<line x1="{left}" y1="{y + h + 2}" x2="{width - 20}" y2="{y + h + 2}" stroke="#eaeef2"/>')
         for s in ss:
-            y = y0 + offset[s.thread] + getattr(s, "depth", 0) * lane
+            y = y0 + offset[s.thread] + s.depth * lane
             body.append(f'<rect class="span" x="{sx(s.start_ms):.1f}" y="{y + 1}" '
                         f'width="{max(sx(s.start_ms + s.dur_ms) - sx(s.start_ms), 0.8):.1f}" height="{lane - 2}" '
                         f'fill="{colour.get(s.name, BASE)}"><title>{_esc(s.thread)}: {_esc(s.name)} '

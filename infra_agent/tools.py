@@ -157,12 +157,12 @@ def _inside(tree: pathlib.Path, rel: str) -> pathlib.Path:
     return p
 
 
-def _visible(tree: pathlib.Path, p: pathlib.Path) -> bool:
-    """A file of the tree (its real path inside it, not through a symlink out) and not our state."""
+def _visible(root: pathlib.Path, p: pathlib.Path) -> bool:
+    """A file of the tree at ``root`` (resolved: its real path inside it, not through a symlink out) and not
+    our state."""
     try:
         real = p.resolve()
-        return (p.is_file() and tree.resolve() in real.parents
-                and not SKIP_PARTS & set(real.relative_to(tree.resolve()).parts))
+        return p.is_file() and root in real.parents and not SKIP_PARTS & set(real.relative_to(root).parts)
     except (OSError, ValueError):
         return False
 
@@ -194,9 +194,9 @@ def grep(tree: pathlib.Path, pattern: str, glob: str = "**/*", cap: int = 80) ->
         found = sorted(tree.glob(glob))
     except (OSError, ValueError, IndexError, NotImplementedError) as exc:
         raise FormatError(f"grep: glob {glob[:80]!r} is not a usable pattern: {exc}") from None
-    hits = []
+    hits, root = [], tree.resolve()
     for p in found:
-        if not _visible(tree, p):
+        if not _visible(root, p):
             continue
         try:
             for i, line in enumerate(p.read_text().splitlines(), 1):
