@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -160,29 +161,47 @@ def trial(work: pathlib.Path, env: dict, kill_after: float) -> dict:
     return dict(kill_after_s=round(kill_after, 2), outcome=outcome, problems=problems)
 
 
+def run(kills: int, on_trial=None) -> dict:
+    """The whole randomised run in a scratch folder (a state home of its own, removed after): the session's
+    window, then ``kills`` trials, each passed to ``on_trial`` as it ends."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-kills-"))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
+    env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
+    saved = os.environ.get("INFRA_AGENT_HOME")
+    os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]  # where this process looks for what they wrote
+    try:
+        begun, whole = window(base, env)
+        trials = []
+        for i in range(kills):
+            at = begun + int.from_bytes(os.urandom(4), "little") / 2**32 * (whole - begun)
+            (base / f"t{i}").mkdir()
+            trials.append(trial(base / f"t{i}", env, at))
+            if on_trial:
+                on_trial(trials[-1])
+        return {"trajectory_begins_s": round(begun, 2), "whole_session_s": round(whole, 2), "trials": trials}
+    finally:
+        if saved is None:
+            os.environ.pop("INFRA_AGENT_HOME", None)
+        else:
+            os.environ["INFRA_AGENT_HOME"] = saved
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=8)
     ap.add_argument("--json", type=pathlib.Path, default=ROOT / "bench" / "out" / "kill_points.json")
     args = ap.parse_args()
-    base = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-kills-"))
-    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
-    env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
-    os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]  # where this process looks for what they wrote
-    begun, whole = window(base, env)
-    print(f"one whole session: its trajectory begins at {begun:.2f} s, it ends at {whole:.2f} s")
-    trials = []
-    for i in range(args.kills):
-        at = begun + int.from_bytes(os.urandom(4), "little") / 2**32 * (whole - begun)
-        (base / f"t{i}").mkdir()
-        t = trial(base / f"t{i}", env, at)
-        trials.append(t)
+
+    def show(t: dict) -> None:
         print(f"  kill at {t['kill_after_s']:5.1f} s: {t['outcome']:<17} "
               + ("; ".join(t["problems"]) if t["problems"] else "ok"), flush=True)
-    lost = sum(1 for t in trials if t["problems"])
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "trajectory_begins_s": round(begun, 2),
-              "whole_session_s": round(whole, 2), "kills": args.kills,
-              "with_problems": lost, "trials": trials}
+
+    out = run(args.kills, show)
+    lost = sum(1 for t in out["trials"] if t["problems"])
+    print(f"the session's trajectory begins at {out['trajectory_begins_s']:.2f} s, it ends at "
+          f"{out['whole_session_s']:.2f} s")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), **out, "kills": args.kills, "with_problems": lost}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"{args.kills} kills, {lost} with a problem; wrote {args.json}")

@@ -34,7 +34,6 @@ import datetime as _dt
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,29 +159,11 @@ def _lifeline() -> dict:
 
 
 def _random_kills(kills: int) -> dict:
-    from bench.kill_points import trial
+    from bench.kill_points import run
 
-    base = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-kills-"))
-    env = {k: v for k, v in os.environ.items() if not k.endswith("API_KEY")}
-    env.update(OPENAI_API_KEY="sk-test-kills-0123456789", COLUMNS="120", INFRA_AGENT_HOME=str(base / "home"))
-    saved = os.environ.get("INFRA_AGENT_HOME")
-    os.environ["INFRA_AGENT_HOME"] = env["INFRA_AGENT_HOME"]
-    try:
-        from bench.kill_points import window
-
-        begun, whole = window(base, env)
-        missed = []
-        for i in range(kills):
-            (base / f"t{i}").mkdir()
-            t = trial(base / f"t{i}", env, begun + int.from_bytes(os.urandom(4), "little") / 2**32 * (whole - begun))
-            missed += [f"kill at {t['kill_after_s']} s: {p}" for p in t["problems"]]
-        return dict(cases=kills, caught=kills - len({m.split(':')[0] for m in missed}), missed=missed, crashed=[])
-    finally:
-        if saved is None:
-            os.environ.pop("INFRA_AGENT_HOME", None)
-        else:
-            os.environ["INFRA_AGENT_HOME"] = saved
-        shutil.rmtree(base, ignore_errors=True)
+    trials = run(kills)["trials"]
+    missed = [f"kill at {t['kill_after_s']} s: {'; '.join(t['problems'])}" for t in trials if t["problems"]]
+    return dict(cases=kills, caught=kills - len(missed), missed=missed, crashed=[])
 
 
 def main() -> int:
