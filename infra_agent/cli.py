@@ -395,6 +395,8 @@ def _settle(target, item_id: int, decision: str, reviewer: str | None, comment=N
 def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target"),
                 reviewer: str = typer.Option(None, "--reviewer")) -> None:
     """Without a subcommand: the interactive queue (open an item, approve, reject with a reason, or skip)."""
+    # `review --target DIR list` means the same as `review list --target DIR` (the group's options are the defaults)
+    ctx.obj = {"target": target, "reviewer": reviewer}
     if ctx.invoked_subcommand is not None:
         return
     from rich.prompt import Prompt
@@ -440,10 +442,16 @@ def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target")
             _settle(target, item.id, "rejected", reviewer, reason=reason)
 
 
+def _group(ctx: typer.Context, name: str, value):
+    """A review subcommand's own option, else the one given to ``review`` itself."""
+    return value if value is not None else (ctx.obj or {}).get(name)
+
+
 @review_app.command("list")
-def review_list(target: str = typer.Option(None, "--target"), state: str = typer.Option(None, "--state"),
+def review_list(ctx: typer.Context, target: str = typer.Option(None, "--target"), state: str = typer.Option(None, "--state"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """List review items."""
+    target = _group(ctx, "target", target)
     items = _queue(target).list(state=state)
     if as_json:
         print("[" + ",".join(i.model_dump_json() for i in items) + "]")
@@ -459,11 +467,12 @@ def review_list(target: str = typer.Option(None, "--target"), state: str = typer
 
 
 @review_app.command("show")
-def review_show(item_id: int = typer.Argument(..., metavar="ID"), target: str = typer.Option(None, "--target"),
+def review_show(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"), target: str = typer.Option(None, "--target"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """Show one item: hypothesis, gate findings, the diff, the evidence."""
     from infra_agent.review import UnknownItem
 
+    target = _group(ctx, "target", target)
     try:
         item = _queue(target).get(item_id)
     except UnknownItem as exc:
@@ -510,19 +519,21 @@ def report(
 
 
 @review_app.command("approve")
-def review_approve(item_id: int = typer.Argument(..., metavar="ID"), comment: str = typer.Option(None, "--comment"),
+def review_approve(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"), comment: str = typer.Option(None, "--comment"),
                    target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
                    as_json: bool = typer.Option(False, "--json"), jobs: int = typer.Option(2, "--jobs", "-j")) -> None:
     """Approve: merge into the session branch, re-run the validation probes, mark applied."""
+    target, reviewer = _group(ctx, "target", target), _group(ctx, "reviewer", reviewer)
     _settle(target, item_id, "approved", reviewer, comment=comment, as_json=as_json, jobs=jobs)
 
 
 @review_app.command("reject")
-def review_reject(item_id: int = typer.Argument(..., metavar="ID"),
+def review_reject(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"),
                   reason: str = typer.Option(..., "--reason", help="why (the agent's next session reads it)"),
                   target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
                   as_json: bool = typer.Option(False, "--json")) -> None:
     """Reject with a reason."""
+    target, reviewer = _group(ctx, "target", target), _group(ctx, "reviewer", reviewer)
     _settle(target, item_id, "rejected", reviewer, reason=reason, as_json=as_json)
 
 

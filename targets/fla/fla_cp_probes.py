@@ -10,6 +10,9 @@ probes call fla's own kernels, found by what they are, not by one release's file
   at tf32x3 or ieee it stays near fp32's 1e-7.  On a CPU the kernel runs in Triton's interpreter
   under the harness's tf32 emulation; on a GPU natively.  The transitions are random contractions
   (orthogonal times 0.99), the kind of matrix a gated delta rule's chunk products are.
+* ``merge_time`` (GPU only): the same kernel timed by the harness at a server's shapes (HV heads,
+  K=V=128, a chain of ``ranks``), its output re-checked against float64 after timing: what a change
+  of the dots' precision costs (tf32x3 is three MMAs per product).
 """
 
 from __future__ import annotations
@@ -127,3 +130,36 @@ def merge_growth(ctx: ProbeContext) -> None:
               f"the merged state's error is {worst:.0f}x fp32's own at {at} ranks (rel. error "
               f"{errs[excess.index(worst)]:.1e}): an fp32 chain at a lower dot precision (tf32?)",
               file=rel, kernel=name, condition=f"{chains[0]} to {chains[-1]} ranks, K={K}, V={V}")
+
+
+@probe(kind="microbench")
+def merge_time(ctx: ProbeContext) -> None:
+    if not str(ctx.device).startswith("cuda"):
+        ctx.skip("timings need a GPU")
+    p = ctx.params
+    HV, K, V, ranks = p.get("HV", 32), p.get("K", 128), p.get("V", 128), p.get("ranks", 8)
+    file, name, kernel = merge_kernel(ctx.tree)
+    dev = ctx.device
+
+    def make(i: int):
+        # random contractions (spectral norm ~0.9), made on the device: fresh inputs for every timed call
+        ag = torch.randn(ranks + 1, HV, K, V + K, device=dev)
+        ag[..., V:] *= 0.45 / K ** 0.5
+        return torch.full((HV, K, V), float("nan"), device=dev), ag
+
+    def call(h, ag):
+        run_merge(kernel, h, ag, ranks)
+        return h
+
+    def check(before, after, out) -> float:
+        a = before[1].double()
+        h = torch.zeros(HV, K, V, dtype=torch.float64, device=dev)
+        for r in range(ranks):
+            h = a[r, :, :, V:] @ h + a[r, :, :, :V]
+        return rel_err(out, h)
+
+    nbytes = (ranks * HV * K * (V + K) + HV * K * V) * 4
+    # the precision itself is fla.cp.merge's to judge; here a result far off (not written, wrong rank) fails
+    t = ctx.timed("merge", make=make, call=call, check=check, tol=p.get("tol", 5e-2), bytes_moved=nbytes,
+                  file=os.path.relpath(file, ctx.tree), kernel=name, condition=f"{ranks} ranks, HV={HV}, K={K}, V={V}")
+    ctx.metric("bandwidth_vs_copy", nbytes / t.median_s / t.copy_bytes_per_s, better="higher")
