@@ -7,7 +7,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from feedback.manifest import Manifest, ProbeSpec, load_manifest
+from feedback.manifest import MANIFEST_NAME, Manifest, ProbeSpec, load_manifest
 from feedback.models import FeedbackReport, ProbeResult, Status
 from feedback.report import content_hashes, localise
 from feedback.runner import Runner
@@ -125,7 +125,12 @@ def _has(manifest: Manifest, pid: str) -> bool:
 
 
 def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:
+    path = tree / MANIFEST_NAME
     try:
+        if fallback._text is not None and path.is_file() and path.read_text() == fallback._text:
+            same = fallback.model_copy()  # the same text validates to the same manifest: not parsed twice
+            same._source = str(path.resolve())
+            return same
         return load_manifest(tree)
     except Exception:  # noqa: BLE001 - an old revision without (or with a broken) manifest: judge it by today's
         return fallback

@@ -181,6 +181,7 @@ class Manifest(BaseModel):
                                   "probe modules kept outside the target (first on the probes' import path, so no "
                                   "file of the tree can stand in for them)")
     _source: str | None = PrivateAttr(default=None)
+    _text: str | None = PrivateAttr(default=None)  # what it was parsed from (a baseline with the same text reuses it)
 
     @property
     def source(self) -> pathlib.Path | None:
@@ -282,6 +283,7 @@ def parse_manifest(text: str, source: str = MANIFEST_NAME) -> Manifest:
         raise ManifestError(f"{source}:1: the manifest must be a mapping with name and probes")
     try:
         manifest = Manifest.model_validate(data)
+        manifest._text = text
         if source != MANIFEST_NAME or pathlib.Path(source).is_file():
             manifest._source = str(pathlib.Path(source).resolve())
         return manifest

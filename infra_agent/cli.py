@@ -448,8 +448,8 @@ def _group(ctx: typer.Context, name: str, value):
 
 
 @review_app.command("list")
-def review_list(ctx: typer.Context, target: str = typer.Option(None, "--target"), state: str = typer.Option(None, "--state"),
-                as_json: bool = typer.Option(False, "--json")) -> None:
+def review_list(ctx: typer.Context, target: str = typer.Option(None, "--target"),
+                state: str = typer.Option(None, "--state"), as_json: bool = typer.Option(False, "--json")) -> None:
     """List review items."""
     target = _group(ctx, "target", target)
     items = _queue(target).list(state=state)
@@ -467,8 +467,8 @@ def review_list(ctx: typer.Context, target: str = typer.Option(None, "--target")
 
 
 @review_app.command("show")
-def review_show(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"), target: str = typer.Option(None, "--target"),
-                as_json: bool = typer.Option(False, "--json")) -> None:
+def review_show(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"),
+                target: str = typer.Option(None, "--target"), as_json: bool = typer.Option(False, "--json")) -> None:
     """Show one item: hypothesis, gate findings, the diff, the evidence."""
     from infra_agent.review import UnknownItem
 
@@ -519,7 +519,8 @@ def report(
 
 
 @review_app.command("approve")
-def review_approve(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"), comment: str = typer.Option(None, "--comment"),
+def review_approve(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="ID"),
+                   comment: str = typer.Option(None, "--comment"),
                    target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
                    as_json: bool = typer.Option(False, "--json"), jobs: int = typer.Option(2, "--jobs", "-j")) -> None:
     """Approve: merge into the session branch, re-run the validation probes, mark applied."""

@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m target_stack.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     kda = sub.add_parser("kda", help="KDA decode and prefill kernels (GPU timings; CPU smoke)")
-    kda.add_argument("--only", choices=["decode", "prefill"], help="run one half only")
+    kda.add_argument("--only", choices=["decode", "prefill", "state"],
+                     help="run one part only (state: the bf16 decode state's drift over a long decode)")
     kda.add_argument("--json", type=pathlib.Path, default=pathlib.Path("bench/out/kda.json"),
                      help="where to write the JSON result (default: %(default)s)")
     serve = sub.add_parser("serve", help="serving workload: engine and disaggregated workers (TTFT, TPOT, "

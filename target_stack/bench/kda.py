@@ -22,6 +22,7 @@ from target_stack.ops.kda.testing import make_inputs, rel_err
 from target_stack.ops.utils import resolve_dot_precision
 
 DECODE_BATCHES = (1, 16, 64, 256)
+BF16_STATE = "target_stack, bf16 state"
 DECODE_SHAPE = dict(H=32, K=128, V=128)
 PREFILL_TOKENS = (4096, 32768)
 PREFILL_SHAPE = dict(H=16, K=128, V=128)
@@ -80,7 +81,13 @@ def bench_decode(copy_bw: float, fla) -> list[dict]:
             return lambda: fused_recurrent_kda(s["q"], s["k"], s["v"], s["g"], s["beta"], initial_state=s["pool"],
                                                ssm_state_indices=s["slots"], use_qk_l2norm_in_kernel=True)
 
-        impls = [("target_stack", ours)]
+        def ours_bf16(s):  # the reduced-byte state: the same step on a bf16 pool (numerics: never the default)
+            if "pool_bf16" not in s:
+                s["pool_bf16"] = s["pool"].to(torch.bfloat16)
+            return lambda: fused_recurrent_kda(s["q"], s["k"], s["v"], s["g"], s["beta"], initial_state=s["pool_bf16"],
+                                               ssm_state_indices=s["slots"], use_qk_l2norm_in_kernel=True)
+
+        impls = [("target_stack", ours), (BF16_STATE, ours_bf16)]
         if fla is not None:
             def theirs(s, fla_decode=fla[1]):
                 return lambda: fla_decode(s["q"], s["k"], s["v"], s["g"], s["beta"], initial_state=s["pool"],
@@ -93,14 +100,48 @@ def bench_decode(copy_bw: float, fla) -> list[dict]:
             # reference from the pool as it is now: timed decode steps update the pools in place
             ro, rs = naive_recurrent_kda(qn, kn, s0["v"].double(), s0["g"].double(), s0["beta"].double(),
                                          initial_state=s0["pool"][1:].double(), output_final_state=True)
-            check = dict(s0, pool=s0["pool"].clone())
+            check = {key: val for key, val in s0.items() if key != "pool_bf16"}
+            check["pool"] = s0["pool"].clone()
             check["pool"][0] = float("nan")  # the null slot: must stay untouched
             o = make(check)()
             o = o[0] if isinstance(o, tuple) else o
-            row = _measure(name, make, sets, nbytes, copy_bw)
+            written = check["pool_bf16"] if name == BF16_STATE else check["pool"]
+            row = _measure(name, make, sets, nbytes if name != BF16_STATE else state_bytes + io_bytes, copy_bw)
             row.update(case="decode", batch=batch, rotations=len(sets),
-                       rel_err_o=rel_err(o, ro), rel_err_state=rel_err(check["pool"][1:], rs))
+                       rel_err_o=rel_err(o, ro), rel_err_state=rel_err(written[1:], rs))
             rows.append(row)
+        for s in sets:
+            s.pop("pool_bf16", None)
+        fla_us = next((r.get("kernel_us") for r in rows[-len(impls):] if r["impl"] == "fla"), None)
+        for r in rows[-len(impls):]:
+            if fla_us and r.get("kernel_us"):
+                r["speedup_vs_fla"] = fla_us / r["kernel_us"]
+    return rows
+
+
+def bench_state_drift(steps: int = 4096, batch: int = 4, checkpoints=(16, 256, 1024, 4096)) -> list[dict]:
+    """The reduced-byte state's cost in accuracy: a long decode on fp32 and bf16 pools against float64.
+
+    Every step's inputs are fresh (the decay as a server sees it, ``decay_shift=3``); the errors of the
+    step's output and of the state are read at each checkpoint."""
+    H, K, V = DECODE_SHAPE["H"], DECODE_SHAPE["K"], DECODE_SHAPE["V"]
+    slots = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
+    h0 = torch.randn(batch, H, K, V, device="cuda") * 0.1
+    pools = {dt: torch.cat([torch.zeros_like(h0[:1]), h0]).to(dt) for dt in (torch.float32, torch.bfloat16)}
+    exact = h0.double()
+    rows = []
+    for t in range(1, steps + 1):
+        q, k, v, g, beta = make_inputs(batch, 1, H, K, V, dtype=torch.bfloat16, device="cuda", decay_shift=3.0)
+        g, beta = g.float(), beta.float()
+        qn, kn = (torch.nn.functional.normalize(x.double(), dim=-1) for x in (q, k))
+        ro, exact = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=exact,
+                                        output_final_state=True)
+        outs = {dt: fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots,
+                                        use_qk_l2norm_in_kernel=True)[0] for dt, pool in pools.items()}
+        if t in checkpoints:
+            for dt, pool in pools.items():
+                rows.append(dict(case="state drift", state=str(dt).replace("torch.", ""), step=t, batch=batch,
+                                 rel_err_o=rel_err(outs[dt], ro), rel_err_state=rel_err(pool[1:], exact)))
     return rows
 
 
@@ -197,16 +238,24 @@ def run(json_path: pathlib.Path, console, only: str | None = None) -> int:
         result["copy_bandwidth_TBps"] = copy_bw / 1e12
         result["rows"] = ((bench_decode(copy_bw, fla) if only in (None, "decode") else [])
                           + (bench_prefill(copy_bw, fla) if only in (None, "prefill") else []))
+        result["drift"] = bench_state_drift() if only in (None, "decode", "state") else []
         console.print(f"{env.get('device')}  torch {env['torch']}  triton {env['triton']}  fla {env.get('fla', '-')}"
                       f"  device copy {copy_bw / 1e12:.2f} TB/s")
-        table = Table("case", "size", "impl", "kernel us", "eager us", "TB/s", "of copy", "err o", "err state",
-                      "rotations")
+        table = Table("case", "size", "impl", "kernel us", "eager us", "TB/s", "of copy", "fla time / this",
+                      "err o", "err state", "rotations")
         for r in result["rows"]:
             size = f"batch {r['batch']}" if r["case"] == "decode" else f"{r['tokens']} tokens"
             table.add_row(r["case"], size, r["impl"], _fmt(r.get("kernel_us")), _fmt(r.get("eager_us")),
                           _fmt(r.get("bandwidth_TBps"), ".2f"), _fmt(r.get("bandwidth_vs_copy"), ".0%"),
-                          _fmt(r.get("rel_err_o"), ".1e"), _fmt(r.get("rel_err_state"), ".1e"), str(r["rotations"]))
+                          _fmt(r.get("speedup_vs_fla"), ".2f"), _fmt(r.get("rel_err_o"), ".1e"),
+                          _fmt(r.get("rel_err_state"), ".1e"), str(r["rotations"]))
         console.print(table)
+        if result["drift"]:
+            drift = Table("state", "decode step", "err o vs float64", "err state vs float64",
+                          title=f"a long decode, batch {result['drift'][0]['batch']}, fresh inputs every step")
+            for r in result["drift"]:
+                drift.add_row(r["state"], str(r["step"]), f"{r['rel_err_o']:.1e}", f"{r['rel_err_state']:.1e}")
+            console.print(drift)
         for r in result["rows"]:
             for key in ("kernel_error", "eager_error"):
                 if key in r:

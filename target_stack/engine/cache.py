@@ -123,9 +123,14 @@ class PagedKV:
 
 
 class StatePool:
-    """Per KDA layer: the recurrent states [num_slots, H, K, V] fp32 and the convolution tails."""
+    """Per KDA layer: the recurrent states [num_slots, H, K, V] (fp32, or bf16: ``state_dtype``) and the
+    convolution tails."""
+
+    STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
     def __init__(self, num_slots: int, heads: int, head_k: int, head_v: int, conv_width: int, channels: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32):
-        self.kda = torch.zeros(num_slots, heads, head_k, head_v, device=device)
+                 device: torch.device, dtype: torch.dtype = torch.float32, state_dtype: str = "fp32"):
+        if state_dtype not in self.STATE_DTYPES:
+            raise ValueError(f"kda_state_dtype must be one of {sorted(self.STATE_DTYPES)}, got {state_dtype!r}")
+        self.kda = torch.zeros(num_slots, heads, head_k, head_v, device=device, dtype=self.STATE_DTYPES[state_dtype])
         self.conv = torch.zeros(num_slots, conv_width, channels, device=device, dtype=dtype)

@@ -38,7 +38,7 @@ class ModelRunner:
             else:
                 channels = cfg.heads * (2 * cfg.head_k + cfg.head_v)
                 self.states[i] = StatePool(num_slots, cfg.heads, cfg.head_k, cfg.head_v, CONV - 1, channels,
-                                           self.device, self.dtype)
+                                           self.device, self.dtype, cfg.kda_state_dtype)
         self.mixer_done: Callable[[Sequence, int], None] | None = None
         self.graphs: CudaGraphDecoder | None = None
 

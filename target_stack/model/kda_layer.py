@@ -142,9 +142,9 @@ class KDALayer(torch.nn.Module):
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
         else:  # same contract in torch: slot 0 reads zeros and is never written
             live = slots > 0
-            h0 = kda_pool[slots] * live[:, None, None, None]
+            h0 = kda_pool[slots].float() * live[:, None, None, None]
             o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
-            kda_pool[slots[live]] = ht[live].float()
+            kda_pool[slots[live]] = ht[live].to(kda_pool.dtype)
         conv_pool.index_copy_(0, slots, conv.to(conv_pool.dtype))
         conv_pool[0].zero_()
         return self._output(o, x)

@@ -42,6 +42,9 @@ class ModelConfig:
     moe_backend: str = "torch"  # "native": the compiled dispatch/expert/combine step (CPU fp32)
     kv_dtype: str = "fp32"  # KV storage of the sparse-attention layers: fp32 | bf16 | int8 | fp8
     kv_dtype_overrides: tuple[tuple[int, str], ...] = ()  # (layer index, kind) pairs
+    # the KDA layers' recurrent state in the decode pool: fp32, or bf16 (a reduced-byte state: half the bytes
+    # a decode step moves, rounded once per step; a numerics change a person approves, never the default)
+    kda_state_dtype: str = "fp32"
     seed: int = 0
 
     def kv_dtype_for(self, layer: int) -> str:

@@ -172,3 +172,28 @@ def test_quantised_kv_cache_stays_close_to_the_fp32_engine(gen, kind):
         logits.append(e.runner.decode(list(e.seqs.values())))
     err = rel_err(logits[1], logits[0])
     assert 0 < err < {"int8": 0.02, "fp8": 0.05, "bf16": 0.01}[kind]
+
+
+@pytest.mark.parametrize("kda_backend", ["triton", "torch"])
+def test_a_bf16_kda_state_is_opt_in_and_stays_close_to_the_fp32_engine(gen, kda_backend):
+    """The reduced-byte decode state (numerics: never the default) through both KDA forms."""
+    assert ModelConfig().kda_state_dtype == "fp32"
+    base = HybridModel(ModelConfig(kda_backend=kda_backend))
+    low = HybridModel(ModelConfig(kda_backend=kda_backend, kda_state_dtype="bf16"))
+    engines = [LLMEngine(base), LLMEngine(low)]
+    assert {p.kda.dtype for p in engines[0].runner.states.values()} == {torch.float32}
+    assert {p.kda.dtype for p in engines[1].runner.states.values()} == {torch.bfloat16}
+    prompt = random_prompt(gen, 20, base.cfg.vocab)
+    logits = []
+    for e in engines:  # the prefill writes the pooled states (rounded to bf16), then a decode step reads them
+        e.add_request(prompt, SamplingParams(max_tokens=6))
+        e.step()
+        logits.append(e.runner.decode(list(e.seqs.values())))
+    err = rel_err(logits[1], logits[0])
+    assert 0 < err < 0.01, err
+    while engines[1].seqs:  # and the rest of the decode runs on the bf16 pool
+        engines[1].step()
+    assert {p.kda.dtype for p in engines[1].runner.states.values()} == {torch.bfloat16}
+    assert_no_leaks(engines[1])
+    with pytest.raises(ValueError, match="kda_state_dtype"):
+        LLMEngine(HybridModel(ModelConfig(kda_state_dtype="fp16")))

@@ -222,8 +222,8 @@ def test_an_approval_killed_mid_validation_leaves_the_item_pending_and_the_branc
 def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
     root, ws = _held_session(tmp_path, monkeypatch)
     # the group's options are the subcommands' defaults: `review --target DIR list` is `review list --target DIR`
-    listed = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "--target", str(root), "list", "--json"],
-                            capture_output=True, text=True, env=env_without_keys(), cwd=tmp_path)
+    listed = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "--target", str(root), "list",
+                             "--json"], capture_output=True, text=True, env=env_without_keys(), cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert [(i["id"], i["state"]) for i in json.loads(listed.stdout)] == [(1, "pending")]
     out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "--target", str(root), "--reviewer",

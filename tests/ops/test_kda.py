@@ -162,6 +162,45 @@ def test_fused_recurrent_pool_updates_slots_in_place_and_never_writes_null_slot(
     assert rel_err(o[1:2], ro) < TOL
 
 
+def test_a_bf16_pool_is_read_in_fp32_and_written_back_rounded_once_per_step(gen):
+    """The reduced-byte decode state: the step computes in fp32 from the bf16 state and rounds once."""
+    H, K, V = 2, 32, 16
+    pool = (torch.randn(5, H, K, V, generator=gen) * 0.5).to(DEVICE, torch.bfloat16)
+    pool[0] = float("nan")  # the null slot, poisoned: never read, never written
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEVICE)
+    x = make_inputs(3, 1, H, K, V, generator=gen, device=DEVICE)
+    o, ret = fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=slots)
+    assert ret is pool and pool.dtype == torch.bfloat16
+    assert torch.equal(pool[0].isnan(), before[0].isnan()) and torch.equal(pool[2], before[2])
+    for row, slot in ((0, 3), (2, 1)):
+        ro, rs = ref64(*(t[row : row + 1] for t in x), h0=before[slot : slot + 1])
+        assert rel_err(o[row : row + 1], ro) < TOL  # the output: fp32 arithmetic on the bf16 state as read
+        err = rel_err(pool[slot : slot + 1], rs)
+        assert 0 < err < 2.0**-8  # the state: rounded to bf16 once (half an ulp is 2^-9 of each value)
+    assert rel_err(o[1:2], ref64(*(t[1:2] for t in x))[0]) < TOL  # padding reads zeros
+
+
+def test_a_bf16_pool_drifts_boundedly_over_a_decode_and_other_dtypes_are_refused(gen):
+    T, H, K, V = 24, 1, 16, 16
+    x = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
+    h0 = torch.randn(1, H, K, V, generator=gen).to(DEVICE) * 0.5
+    pools = {dt: torch.cat([torch.zeros_like(h0), h0]).to(dt) for dt in (torch.float32, torch.bfloat16)}
+    outs = {dt: [] for dt in pools}
+    one = torch.tensor([1], device=DEVICE)
+    for t in range(T):
+        for dt, pool in pools.items():
+            outs[dt].append(fused_recurrent_kda(*(z[:, t : t + 1] for z in x), initial_state=pool,
+                                                ssm_state_indices=one)[0])
+    ro, rs = ref64(*x, h0=h0)
+    err = {dt: (rel_err(torch.cat(outs[dt], 1), ro), rel_err(pools[dt][1:], rs)) for dt in pools}
+    assert max(err[torch.float32]) < TOL
+    # rounded every step, yet the decay and the delta rule keep the error near bf16's own, far from O(1)
+    assert 1e-4 < max(err[torch.bfloat16]) < 2e-2, err
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        fused_recurrent_kda(*(z[:, :1] for z in x), initial_state=pools[torch.float32].half(), ssm_state_indices=one)
+
+
 def test_decode_steps_continue_a_chunked_prefill(gen):
     """Prefill with chunk_kda, then decode token by token with the pooled kernel: equals one pass."""
     T, H, K, V = 70, 2, 32, 32

@@ -9,6 +9,11 @@ memory-bound step that is free, where the step is issue-bound it is not (DESIGN.
 With ``ssm_state_indices`` the ``initial_state`` is a pool of state slots ``[num_slots, H, K, V]``
 read and updated in place, one slot per sequence.  Slot 0 is the null slot: rows that point at
 it (padding) read a zero state and are never written back.
+
+The pool may be bfloat16 (a reduced-byte decode state): the kernel still computes in fp32 and rounds
+the state once per step when it writes it back, so a decode step moves about half the bytes.  That
+rounding accumulates over a long decode (``bench/decode_state.py`` measures how much): a numerics
+change a person approves, never the default (``ModelConfig.kda_state_dtype``).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def _kda_fused_recurrent_kernel(
         tl.store(o + (tok * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
     if STORE_FINAL_STATE:
-        tl.store(ht + state_row * H * K * V + off_kv, b_h, mask=m_state)
+        tl.store(ht + state_row * H * K * V + off_kv, b_h.to(ht.dtype.element_ty), mask=m_state)
 
 
 _launch = CachedLaunch(_kda_fused_recurrent_kernel)
@@ -90,8 +95,8 @@ def fused_recurrent_kda(
 
     Without ``ssm_state_indices``: ``initial_state`` is ``[N, H, K, V]`` and the final state is
     returned as a new fp32 tensor when ``output_final_state``.  With ``ssm_state_indices``
-    (int ``[N]``): ``initial_state`` is the fp32 slot pool, updated in place (and returned) except
-    for slot 0, the null slot.
+    (int ``[N]``): ``initial_state`` is the slot pool (fp32, or bf16 for a reduced-byte state), updated in
+    place (and returned) except for slot 0, the null slot.
     """
     pooled = ssm_state_indices is not None
     h0 = initial_state
@@ -124,6 +129,8 @@ def fused_recurrent_kda(
 
 
 _plans: dict = {}
+#: the slot pool's dtypes: fp32, or bf16 (half the state bytes per step, rounded once per step)
+POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices, l2norm, beta_sigmoid):
@@ -132,8 +139,10 @@ def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices
     if pooled:
         if initial_state is None:
             raise ValueError("ssm_state_indices needs initial_state: the state-slot pool [num_slots, H, K, V]")
-        if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
-            raise ValueError("initial_state (the slot pool) must be a contiguous float32 tensor")
+        if initial_state.dtype not in POOL_DTYPES or not initial_state.is_contiguous():
+            raise ValueError("initial_state (the slot pool) must be a contiguous float32 or bfloat16 tensor, "
+                             f"got {'a non-contiguous ' if not initial_state.is_contiguous() else ''}"
+                             f"{initial_state.dtype} one")
     N, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state, state_batch=-1 if pooled else None)
     if pooled:
         if ssm_state_indices.shape != (N,) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
@@ -145,6 +154,7 @@ def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices
     BV = min(block_size(V, 1), 32)
     flags = dict(USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=pooled or bool(output_final_state),
                  USE_SLOTS=pooled, L2NORM_QK=bool(l2norm), BETA_SIGMOID=bool(beta_sigmoid))
-    key = (N, T, H, K, V, q.dtype, g.dtype, beta.dtype, q.device, pooled and ssm_state_indices.dtype, *flags.values())
+    key = (N, T, H, K, V, q.dtype, g.dtype, beta.dtype, q.device, pooled and ssm_state_indices.dtype,
+           pooled and initial_state.dtype, *flags.values())
     constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=1 if BK * BV <= 1024 else 4)
     return N, T, H, K, V, (triton.cdiv(V, BV), N, H), constexprs, key
