@@ -194,9 +194,24 @@ def feedback(
 
 
 def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
-    """Run the harness with a live progress display (one line per probe) unless quiet."""
-    if quiet:
-        return judge_fn(root, **kwargs)
+    """Run the harness with a live progress display on a terminal; elsewhere (a log, a CI job, ``--json``)
+    one plain line on stderr per probe as it ends, so a run cut short still says how far it got."""
+    if quiet or not err_console.is_terminal:
+        import sys
+        import time
+
+        t0 = time.perf_counter()
+
+        def on_start(specs):
+            sides = " (candidate and baseline)" if kwargs.get("baseline_tree") else ""
+            print(f"running {len(specs)} probes{sides}: {', '.join(s.id for s in specs)}", file=sys.stderr, flush=True)
+
+        def on_result(side, result):
+            cached = ", cached" if result.cached else ""
+            print(f"[{time.perf_counter() - t0:6.1f}s] {side} {result.probe}: {result.status.value} "
+                  f"({result.duration_s:.1f} s{cached})", file=sys.stderr, flush=True)
+
+        return judge_fn(root, on_start=on_start, on_result=on_result, **kwargs)
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -54,6 +55,10 @@ def test_feedback_cli_exit_codes_and_json(toy, tmp_path):
     data = json.loads(ok.stdout)
     assert data["results"][0]["status"] == "pass" and data["schema_version"] == 1
     assert "toy/probes.py" in data["hashes"] and "infra-agent.yaml" in data["hashes"]
+    # not a terminal: one plain line per probe on stderr as it ends (a log cut short says how far it got)
+    lines = ok.stderr.splitlines()
+    assert lines[0] == "running 1 probes: toy.ok", ok.stderr
+    assert re.fullmatch(r"\[ *\d+\.\ds\] candidate toy\.ok: pass \(\d+\.\d s\)", lines[1]), ok.stderr
     failing = subprocess.run(["infra-agent", "feedback", "--target", str(toy), "--probe", "toy.located"],
                              capture_output=True, text=True)
     assert failing.returncode == 1 and "error grows 41x" in failing.stdout
