@@ -69,6 +69,39 @@ class BenchSpec(BaseModel):
     reps: int = Field(20, ge=3, le=1000)
 
 
+#: variables the harness sets itself for every probe (the import path, the interpreter switch, its own
+#: channels): a manifest may not set them
+_HARNESS_VARS = frozenset({"PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
+                           "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES"})
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: names of credentials: never passed to a probe, never set by a manifest
+SECRET_VAR = re.compile(r"(API_KEY|_TOKEN|_SECRET|PASSWORD|_CREDENTIALS)$", re.IGNORECASE)
+
+
+def _env_strings(value: Any) -> dict[str, str]:
+    """A manifest's ``env``: names a shell would take, scalar values (as strings), nothing the harness owns
+    and no credential (the manifest is written into every record)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"a mapping of variable names to values, not a {type(value).__name__}")
+    out = {}
+    for name, val in value.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not a variable name")
+        if name in _HARNESS_VARS or name.startswith("INFRA_AGENT_"):
+            hint = " (use interpret: true)" if name in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") else ""
+            raise ValueError(f"{name} is set by the harness for every probe{hint}")
+        if SECRET_VAR.search(name):
+            raise ValueError(f"{name} looks like a credential; probes get none, and the manifest is recorded")
+        if isinstance(val, bool):
+            val = "1" if val else "0"
+        if not isinstance(val, str | int | float):
+            raise ValueError(f"{name} must be a string or a number, got {type(val).__name__}")
+        out[name] = str(val)
+    return out
+
+
 class ProbeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,6 +127,14 @@ class ProbeSpec(BaseModel):
                             "present: for probes that count a kernel's work (feedback/workcount.py), never time it")
     repeats: int | None = Field(None, ge=1, le=100, description="runs of the probe per judgement (default: 3 for "
                                 "microbench and e2e, whose verdicts need an interval and a noise floor; 1 otherwise)")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables the probe runs with (a "
+                                "library's switches, e.g. TRITON_CACHE_AUTOTUNING); over the manifest's env; part of "
+                                "the probe's cache key")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> dict[str, str]:
+        return _env_strings(value)
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> ProbeSpec:
@@ -180,6 +221,13 @@ class Manifest(BaseModel):
     probe_path: list[str] = Field(default_factory=list, description="folders, relative to the manifest file, of "
                                   "probe modules kept outside the target (first on the probes' import path, so no "
                                   "file of the tree can stand in for them)")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables every probe runs with "
+                                "(a probe's own env overrides them)")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> dict[str, str]:
+        return _env_strings(value)
     _source: str | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)  # what it was parsed from (a baseline with the same text reuses it)
 
@@ -200,6 +248,8 @@ class Manifest(BaseModel):
             if p.id in seen:
                 raise ValueError(f"duplicate probe id {p.id!r}")
             seen.add(p.id)
+            if self.env:  # each probe carries the environment it runs with (and its cache key with it)
+                p.env = {**self.env, **p.env}
         for c in self.acceptance:
             metric = c.parts()[0]
             if self.split_metric(metric) is None:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from feedback import forkserver
 from feedback.lifeline import HARNESS_PID
-from feedback.manifest import Manifest, ProbeSpec
+from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
 from feedback.state import StateDir
 from feedback.timing import WITNESS_FD
@@ -41,7 +41,6 @@ from feedback.verdict import combine_runs, repeats_for
 
 TAIL = 4000  # characters of stdout/stderr kept in a result
 ARMED_KINDS = ("microbench", "e2e")  # their clocks are kept before the tree loads (feedback/timing.py)
-_SECRET_VAR = re.compile(r"(API_KEY|_TOKEN|_SECRET|PASSWORD|_CREDENTIALS)$", re.IGNORECASE)
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -189,7 +188,9 @@ class Runner:
     def env(self, spec: ProbeSpec | None = None) -> dict[str, str]:
         # no credentials: a probe (and the candidate code it imports) has no use for them, and whatever
         # it prints ends up in results and records
-        env = {k: v for k, v in os.environ.items() if not _SECRET_VAR.search(k)}
+        env = {k: v for k, v in os.environ.items() if not SECRET_VAR.search(k)}
+        if spec is not None:
+            env.update(spec.env)  # the manifest's switches; what the harness sets below wins
         roots = [str(self.tree / r) for r in self.manifest.python_path]
         # probe modules kept outside the tree first (nothing in the tree can stand in for them), then the
         # tree's import roots, then the harness, for feedback.* itself

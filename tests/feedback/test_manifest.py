@@ -29,8 +29,26 @@ def test_bundled_manifest_is_valid_and_protects_what_judges(tmp_path):
      "entry must look like module.path:function"),
     (lambda t: t.replace("toy.ok.err <= 1e-6", "toy.nothing.err <= 1e-6"), "names 'toy.nothing.err'"),
     (lambda t: t.replace("id: toy.bad", "id: toy.ok"), "duplicate probe id 'toy.ok'"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: {PYTHONPATH: /elsewhere}"),
+     ":4: env: PYTHONPATH is set by the harness for every probe"),
+    (lambda t: t.replace("budget_s: 30}", "budget_s: 30, env: {TRITON_INTERPRET: 1}}", 1),
+     "probes[0].env: TRITON_INTERPRET is set by the harness for every probe (use interpret: true)"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: {HF_TOKEN: abc}"), ":4: env: HF_TOKEN looks like a credential"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: {1ST: x}"), "env: '1ST' is not a variable name"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: {MODE: [a, b]}"), "env: MODE must be a string or a number, got list"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: [MODE]"), ":4: env: a mapping of variable names to values, not a list"),
 ])
 def test_malformed_manifest_errors_name_file_line_and_field(mutation, expect):
     with pytest.raises(ManifestError) as err:
         parse_manifest(mutation(TOY_MANIFEST), "infra-agent.yaml")
     assert expect in str(err.value) and str(err.value).startswith("infra-agent.yaml")
+
+
+def test_the_manifests_env_reaches_every_probe_under_its_own():
+    text = TOY_MANIFEST.replace("name: toy", "name: toy\nenv: {TOY_MODE: fast, TOY_LEVEL: 2, TOY_ON: true}")
+    text = text.replace("budget_s: 30}", "budget_s: 30, env: {TOY_MODE: exact}}", 1)
+    m = parse_manifest(text, "infra-agent.yaml")
+    first, *rest = m.probes
+    assert first.env == {"TOY_MODE": "exact", "TOY_LEVEL": "2", "TOY_ON": "1"}  # the probe's own wins
+    assert all(p.env == {"TOY_MODE": "fast", "TOY_LEVEL": "2", "TOY_ON": "1"} for p in rest)
+    assert parse_manifest(TOY_MANIFEST, "infra-agent.yaml").probes[0].env == {}

@@ -113,6 +113,25 @@ def test_probes_get_no_credentials(toy, monkeypatch):
     assert "OPENAI_API_KEY" not in env and "HF_TOKEN" not in env and env["INFRA_AGENT_KEEP"] == "1"
 
 
+def test_a_probe_runs_with_its_manifests_env_and_the_env_is_part_of_its_cache_key(toy, monkeypatch):
+    import feedback.runner as runner_mod
+
+    monkeypatch.setenv("TOY_LEVEL", "from-the-shell")  # the manifest's value wins over the caller's
+    reads = ('python3 -c "import json, os; print(json.dumps({\'metrics\': {\'level\': float(os.environ['
+             '\'TOY_LEVEL\'])}}))"')
+    manifest = load_manifest(toy)
+    spec = manifest.probe("toy.cmd").model_copy(update={"command": reads, "env": {"TOY_LEVEL": "7"}})
+    other = spec.model_copy(update={"env": {"TOY_LEVEL": "8"}})
+    r = runner_mod.Runner(toy, manifest, use_cache=True, cache_dir=str(toy / ".cache"))
+    (seven,) = r.run([spec])
+    (eight,) = r.run([other])
+    assert seven.status.value == "pass" and seven.metrics["level"].value == 7.0, seven.reason
+    assert eight.metrics["level"].value == 8.0 and not eight.cached  # another env: not served from the cache
+    assert r.cache_key(spec) != r.cache_key(other)
+    (again,) = r.run([spec])
+    assert again.cached and again.metrics["level"].value == 7.0
+
+
 def test_a_probe_that_needs_more_gpus_than_the_machine_has_is_skipped_with_the_count(toy, monkeypatch):
     import feedback.runner as runner_mod
 
