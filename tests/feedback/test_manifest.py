@@ -35,8 +35,10 @@ def test_bundled_manifest_is_valid_and_protects_what_judges(tmp_path):
      "probes[0].env: TRITON_INTERPRET is set by the harness for every probe (use interpret: true)"),
     (lambda t: t.replace("name: toy", "name: toy\nenv: {HF_TOKEN: abc}"), ":4: env: HF_TOKEN looks like a credential"),
     (lambda t: t.replace("name: toy", "name: toy\nenv: {1ST: x}"), "env: '1ST' is not a variable name"),
-    (lambda t: t.replace("name: toy", "name: toy\nenv: {MODE: [a, b]}"), "env: MODE must be a string or a number, got list"),
-    (lambda t: t.replace("name: toy", "name: toy\nenv: [MODE]"), ":4: env: a mapping of variable names to values, not a list"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: {MODE: [a, b]}"),
+     "env: MODE must be a string or a number, got list"),
+    (lambda t: t.replace("name: toy", "name: toy\nenv: [MODE]"),
+     ":4: env: a mapping of variable names to values, not a list"),
 ])
 def test_malformed_manifest_errors_name_file_line_and_field(mutation, expect):
     with pytest.raises(ManifestError) as err:
