@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda
+from target_stack.ops.kda.decode_inputs import kda_decode_inputs
+from target_stack.ops.norm import rms_norm
 
 CONV = 4
 
@@ -82,8 +84,12 @@ class KDALayer(torch.nn.Module):
         beta = torch.sigmoid(F.linear(x, self.w_b))
         return (q, k, v, gate, beta), full  # full[:, i] is the convolution input of position i - (CONV - 1)
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
         B, T = x.shape[:2]
+        # rmsnorm per head times the output gate, in fp32: one launch instead of ten, with the Triton kernels
+        if self.uses_triton(o) if fused is None else fused:
+            gated = rms_norm(o, self.norm_w, 1e-6, gate=F.linear(x, self.w_g).reshape(o.shape), out_dtype=x.dtype)
+            return F.linear(gated.reshape(B, T, -1), self.w_o)
         of = o.float()
         normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_w
         gated = normed.reshape(B, T, -1) * torch.sigmoid(F.linear(x, self.w_g))
@@ -133,19 +139,21 @@ class KDALayer(torch.nn.Module):
                       slots: torch.Tensor) -> torch.Tensor:
         """One decode step for a batch whose states live in pools ([num_slots, ...]) at ``slots``.
 
-        The KDA states are updated in place by the kernel; slot 0 (padding) is never written, and
-        its convolution tail is reset so padded rows always start from zeros.
+        The KDA states and convolution tails are updated in place; slot 0 (padding) reads zeros and
+        keeps them (the torch path writes it and resets it; the kernels never write it).
         """
-        inputs, full = self._inputs(x, conv_pool[slots])
-        conv = full[:, -(CONV - 1):]
-        if self.uses_triton(x):
+        if self.uses_triton(x):  # the inputs in one launch (tails shifted in place), then the decode kernel
+            inputs = kda_decode_inputs(F.linear(x, self.w_qkv), F.linear(x, self.w_f), F.linear(x, self.w_b),
+                                       conv_pool, slots, self.conv, self.dt_bias, self.A_log, self.H, self.K, self.V)
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
-        else:  # same contract in torch: slot 0 reads zeros and is never written
-            live = slots > 0
-            h0 = kda_pool[slots].float() * live[:, None, None, None]
-            o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
-            kda_pool[slots[live]] = ht[live].to(kda_pool.dtype)
-        conv_pool.index_copy_(0, slots, conv.to(conv_pool.dtype))
+            return self._output(o, x)
+        # the same contract in torch: slot 0 reads zeros and is never written
+        inputs, full = self._inputs(x, conv_pool[slots])
+        live = slots > 0
+        h0 = kda_pool[slots].float() * live[:, None, None, None]
+        o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
+        kda_pool[slots[live]] = ht[live].to(kda_pool.dtype)
+        conv_pool.index_copy_(0, slots, full[:, -(CONV - 1):].to(conv_pool.dtype))
         conv_pool[0].zero_()
         return self._output(o, x)
 

@@ -95,6 +95,22 @@ def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen, backen
     assert rel_err(torch.cat(steps, dim=1), full) < 1e-5
 
 
+def test_the_fused_norms_are_their_torch_forms(gen):
+    """The one-launch norms a GPU takes (here through the interpreter) against the CPU's torch forms."""
+    from target_stack.model.kda_layer import KDALayer
+
+    layer = KDALayer(dim=40, heads=3, head_k=8, head_v=24, generator=gen)
+    with torch.no_grad():
+        layer.norm_w.copy_(torch.rand(24, generator=gen) + 0.5)
+        o, x = torch.randn(2, 5, 3, 24, generator=gen), torch.randn(2, 5, 40, generator=gen)
+        assert rel_err(layer._output(o, x, fused=True), layer._output(o, x, fused=False)) < 1e-6
+        norm = RMSNorm(40)
+        norm.weight.copy_(torch.rand(40, generator=gen) + 0.5)
+        torch_form = norm(x)
+        norm.fused = True
+        assert rel_err(norm(x), torch_form) < 1e-6
+
+
 def test_hybrid_model_serving_path_matches_the_reference_path(gen):
     from target_stack.model.model import HybridModel, ModelConfig
 

@@ -1,0 +1,189 @@
+"""What one engine decode step launches, counted on any machine: the aten ops it dispatches, by name.
+
+    python bench/decode_ops.py [--preset tiny|bench] [--dtype bf16|fp32] [--batch 1] [--json FILE]
+
+The graph-captured decode step of the bench preset takes 4.6 ms of GPU time at batch 1 against a
+~0.35 ms bandwidth floor (bench/RESULTS.md): it is bound by the number of small kernels, not by
+bytes.  Each aten op that is not a view launches at least one kernel, so their count is a device-free
+proxy for the step's launches; Triton kernels are counted as one launch each.  The table splits them
+into matmuls, dtype conversions (``_to_copy``, ``copy_``), the rest and Triton launches, per
+target_stack function that issues them, so a change that removes launches shows it here, and where,
+before a GPU measures the time.  A table and JSON; no goal.
+
+The step is ``ModelRunner.decode_step(static=True)`` (the form a CUDA graph captures) after one
+prefill of a random prompt and one uncounted step, in the forms a GPU runs (Triton KDA kernels and
+norms; under the interpreter here, whose own numpy work is not counted), and again with the norms in
+torch, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONVERSIONS = {"_to_copy", "copy_", "to"}
+ALLOCATIONS = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_strided"}  # launch nothing
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
+
+
+def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norms: bool = True) -> dict:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import target_stack.ops  # noqa: F401  (the interpreter's choice before triton loads)
+    from target_stack.engine import LLMEngine, SamplingParams
+    from target_stack.model.model import HybridModel
+
+    stack_root = str(ROOT / "target_stack") + os.sep
+
+    class Count(TorchDispatchMode):
+        """Counts every aten op that is not a view, by name and by the target_stack function that called it;
+        what a Triton kernel's launch does inside (the interpreter's own tensor work) counts as one launch."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.paused = 0
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.paused and not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS:
+                self.ops[(func.overloadpacket.__name__, _site(stack_root))] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])  # built in it: no fp32 copy
+    try:
+        model = HybridModel(preset).eval()
+    finally:
+        torch.set_default_dtype(default)
+    from target_stack.model.kda_layer import KDALayer
+    from target_stack.model.layers import RMSNorm
+
+    for block in model.blocks:  # the GPU's forms: Triton KDA kernels and norms
+        if not block.is_attn:
+            block.mixer.backend = "triton"
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.fused = fused_norms
+        if isinstance(module, KDALayer) and not fused_norms:
+            module._output = functools.partial(module._output, fused=False)
+    engine = LLMEngine(model)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, model.cfg.vocab, (prompt,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=4))
+    while any(not s.output for s in engine.seqs.values()):  # prefill every sequence
+        engine.step()
+    runner = engine.runner
+    seqs = list(engine.seqs.values())
+    tokens = torch.tensor([s.output[-1] for s in seqs])
+    lengths = torch.tensor([s.length for s in seqs])
+    slots = torch.tensor([s.slot for s in seqs])
+    table = runner.block_table(seqs, max(-(-s.length // runner.page_size) for s in seqs))
+
+    with torch.no_grad():  # a first step builds what later steps reuse (stacked expert weights, compiled kernels)
+        runner.decode_step(tokens, lengths, slots, table, static=True)
+    counter = Count()
+    launches = collections.Counter()
+    restore = []
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    for owner in (jit.JITFunction, getattr(interp, "InterpretedFunction", None)):
+        if owner is None or "run" not in vars(owner):
+            continue
+        original = owner.run
+
+        def run(self, *a, _original=original, **kw):
+            if not counter.paused:
+                launches[(getattr(self, "__name__", None) or getattr(self.fn, "__name__", "?"), _site(stack_root))] += 1
+            counter.paused += 1
+            try:
+                return _original(self, *a, **kw)
+            finally:
+                counter.paused -= 1
+        owner.run = run
+        restore.append((owner, original))
+    try:
+        with torch.no_grad(), counter:
+            runner.decode_step(tokens, lengths, slots, table, static=True)
+    finally:
+        for owner, original in restore:
+            owner.run = original
+    by_name: collections.Counter = collections.Counter()
+    by_site: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for (name, site), n in counter.ops.items():
+        by_name[name] += n
+        kind = "matmul" if name in MATMULS else "conversion" if name in CONVERSIONS else "other"
+        by_site[site][kind] += n
+    for (_kernel, site), n in launches.items():
+        by_site[site]["triton"] += n
+    sites = sorted(by_site.items(), key=lambda kv: -sum(kv[1].values()))
+    return {"preset": preset, "dtype": dtype, "batch": batch, "layers": len(model.blocks), "fused_norms": fused_norms,
+            "total": sum(by_name.values()), "conversions": sum(by_name[n] for n in CONVERSIONS),
+            "matmuls": sum(by_name[n] for n in MATMULS), "triton_launches": sum(launches.values()),
+            "by_name": dict(by_name.most_common()), "by_site": {s: dict(c) for s, c in sites}}
+
+
+def _site(root: str) -> str:
+    """The innermost target_stack function on the stack: ``engine/runner.py:decode_step``."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename.startswith(root):
+            return f"{f.f_code.co_filename[len(root):]}:{f.f_code.co_name}"
+        f = f.f_back
+    return "?"
+
+
+def main() -> int:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--json", type=pathlib.Path, default=ROOT / "bench" / "out" / "decode_ops.json")
+    args = ap.parse_args()
+    import concurrent.futures
+    import multiprocessing
+
+    from rich.console import Console
+    from rich.table import Table
+
+    # each count in a process of its own: the bench preset's model takes most of a 24 GiB machine
+    counts = []
+    for fused in (True, False):  # and again with the norms in torch, side by side
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused_norms=fused).result())
+    r, plain = counts
+    r["with_torch_norms"] = {k: plain[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
+    console = Console()
+    console.print(f"one decode step, preset {r['preset']} ({r['layers']} layers), {r['dtype']}, batch {r['batch']}: "
+                  f"{r['total']} aten ops that launch ({r['matmuls']} matmuls, {r['conversions']} conversions) "
+                  f"and {r['triton_launches']} Triton kernels")
+    console.print(f"with the norms in torch instead: {plain['total']} aten ops ({plain['conversions']} conversions) "
+                  f"and {plain['triton_launches']} Triton kernels")
+    kinds = Table("target_stack function", "matmul", "conversion", "other", "triton", title="where they come from")
+    for site, c in list(r["by_site"].items())[:15]:
+        kinds.add_row(site, *(str(c.get(k, 0)) for k in ("matmul", "conversion", "other", "triton")))
+    console.print(kinds)
+    names = Table("aten op", "count", title="most dispatched")
+    for name, n in list(r["by_name"].items())[:15]:
+        names.add_row(name, str(n))
+    console.print(names)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(r, indent=2))
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
