@@ -12,8 +12,8 @@ before a GPU measures the time.  A table and JSON; no goal.
 
 The step is ``ModelRunner.decode_step(static=True)`` (the form a CUDA graph captures) after one
 prefill of a random prompt and one uncounted step, in the forms a GPU runs (Triton KDA kernels and
-norms; under the interpreter here, whose own numpy work is not counted), and again with the norms in
-torch, side by side.
+norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
+the MoE takes its GPU form), and again with the norms in torch, side by side.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CONVERSIONS = {"_to_copy", "copy_", "to"}
-ALLOCATIONS = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_strided"}  # launch nothing
+# ops that launch no kernel: allocations, and the reshape of a matmul's output
+NO_LAUNCH = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_strided", "_unsafe_view"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
 
 
@@ -54,7 +55,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
             self.ops: collections.Counter = collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not self.paused and not func.is_view and func.overloadpacket.__name__ not in ALLOCATIONS:
+            if not self.paused and not func.is_view and func.overloadpacket.__name__ not in NO_LAUNCH:
                 self.ops[(func.overloadpacket.__name__, _site(stack_root))] += 1
             return func(*args, **(kwargs or {}))
 
@@ -65,6 +66,8 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
         model = HybridModel(preset).eval()
     finally:
         torch.set_default_dtype(default)
+    if torch.cuda.is_available():  # where there is a GPU the kernels take its tensors (and the MoE its GPU form)
+        model = model.cuda()
     from target_stack.model.kda_layer import KDALayer
     from target_stack.model.layers import RMSNorm
 
@@ -85,9 +88,10 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
         engine.step()
     runner = engine.runner
     seqs = list(engine.seqs.values())
-    tokens = torch.tensor([s.output[-1] for s in seqs])
-    lengths = torch.tensor([s.length for s in seqs])
-    slots = torch.tensor([s.slot for s in seqs])
+    dev = model.embed.device
+    tokens = torch.tensor([s.output[-1] for s in seqs], device=dev)
+    lengths = torch.tensor([s.length for s in seqs], device=dev)
+    slots = torch.tensor([s.slot for s in seqs], device=dev)
     table = runner.block_table(seqs, max(-(-s.length // runner.page_size) for s in seqs))
 
     with torch.no_grad():  # a first step builds what later steps reuse (stacked expert weights, compiled kernels)
@@ -135,10 +139,12 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
 
 
 def _site(root: str) -> str:
-    """The innermost target_stack function on the stack: ``engine/runner.py:decode_step``."""
+    """The innermost target_stack function on the stack (``engine/runner.py:decode_step``), past the
+    launch plumbing of ``ops/utils.py`` (a kernel's launch belongs to the op that asked for it)."""
     f = sys._getframe(2)
+    plumbing = root + "ops" + os.sep + "utils.py"
     while f is not None:
-        if f.f_code.co_filename.startswith(root):
+        if f.f_code.co_filename.startswith(root) and f.f_code.co_filename != plumbing:
             return f"{f.f_code.co_filename[len(root):]}:{f.f_code.co_name}"
         f = f.f_back
     return "?"
