@@ -13,14 +13,14 @@ before a GPU measures the time.  A table and JSON; no goal.
 The step is ``ModelRunner.decode_step(static=True)`` (the form a CUDA graph captures) after one
 prefill of a random prompt and one uncounted step, in the forms a GPU runs (Triton KDA kernels and
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
-the MoE takes its GPU form), and again with the norms in torch, side by side.
+the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
+decode inputs and norms) and without them, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import os
 import pathlib
@@ -35,7 +35,7 @@ NO_LAUNCH = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_str
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
 
 
-def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norms: bool = True) -> dict:
+def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: bool = True) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,11 +74,9 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
     for block in model.blocks:  # the GPU's forms: Triton KDA kernels and norms
         if not block.is_attn:
             block.mixer.backend = "triton"
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.fused = fused_norms
-        if isinstance(module, KDALayer) and not fused_norms:
-            module._output = functools.partial(module._output, fused=False)
+    for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
+        if isinstance(module, RMSNorm | KDALayer):
+            module.fused = fused
     engine = LLMEngine(model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(batch):
@@ -132,7 +130,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused_norm
     for (_kernel, site), n in launches.items():
         by_site[site]["triton"] += n
     sites = sorted(by_site.items(), key=lambda kv: -sum(kv[1].values()))
-    return {"preset": preset, "dtype": dtype, "batch": batch, "layers": len(model.blocks), "fused_norms": fused_norms,
+    return {"preset": preset, "dtype": dtype, "batch": batch, "layers": len(model.blocks), "fused": fused,
             "total": sum(by_name.values()), "conversions": sum(by_name[n] for n in CONVERSIONS),
             "matmuls": sum(by_name[n] for n in MATMULS), "triton_launches": sum(launches.values()),
             "by_name": dict(by_name.most_common()), "by_site": {s: dict(c) for s, c in sites}}
@@ -166,16 +164,16 @@ def main() -> int:
 
     # each count in a process of its own: the bench preset's model takes most of a 24 GiB machine
     counts = []
-    for fused in (True, False):  # and again with the norms in torch, side by side
+    for fused in (True, False):  # and again without the fused kernels, side by side
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused_norms=fused).result())
+            counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused=fused).result())
     r, plain = counts
-    r["with_torch_norms"] = {k: plain[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
+    r["without_fused_kernels"] = {k: plain[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
     console = Console()
     console.print(f"one decode step, preset {r['preset']} ({r['layers']} layers), {r['dtype']}, batch {r['batch']}: "
                   f"{r['total']} aten ops that launch ({r['matmuls']} matmuls, {r['conversions']} conversions) "
                   f"and {r['triton_launches']} Triton kernels")
-    console.print(f"with the norms in torch instead: {plain['total']} aten ops ({plain['conversions']} conversions) "
+    console.print(f"without the fused kernels: {plain['total']} aten ops ({plain['conversions']} conversions) "
                   f"and {plain['triton_launches']} Triton kernels")
     kinds = Table("target_stack function", "matmul", "conversion", "other", "triton", title="where they come from")
     for site, c in list(r["by_site"].items())[:15]:

@@ -66,6 +66,7 @@ class KDALayer(torch.nn.Module):
         self.w_g = torch.nn.Parameter(torch.randn(heads * head_v, dim, generator=g) * s)
         self.norm_w = torch.nn.Parameter(torch.ones(head_v))
         self.w_o = torch.nn.Parameter(torch.randn(dim, heads * head_v, generator=g) * (heads * head_v) ** -0.5)
+        self.fused = False  # on the Triton path: the one-launch decode inputs and output norm (fused_kernels)
 
     def _inputs(self, x: torch.Tensor, conv_state: torch.Tensor | None):
         B, T, _ = x.shape
@@ -87,7 +88,7 @@ class KDALayer(torch.nn.Module):
     def _output(self, o: torch.Tensor, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
         B, T = x.shape[:2]
         # rmsnorm per head times the output gate, in fp32: one launch instead of ten, with the Triton kernels
-        if self.uses_triton(o) if fused is None else fused:
+        if (self.fused and self.uses_triton(o)) if fused is None else fused:
             gated = rms_norm(o, self.norm_w, 1e-6, gate=F.linear(x, self.w_g).reshape(o.shape), out_dtype=x.dtype)
             return F.linear(gated.reshape(B, T, -1), self.w_o)
         of = o.float()
@@ -142,17 +143,19 @@ class KDALayer(torch.nn.Module):
         The KDA states and convolution tails are updated in place; slot 0 (padding) reads zeros and
         keeps them (the torch path writes it and resets it; the kernels never write it).
         """
-        if self.uses_triton(x):  # the inputs in one launch (tails shifted in place), then the decode kernel
+        if self.fused and self.uses_triton(x):  # the inputs in one launch (tails shifted in place), the kernel
             inputs = kda_decode_inputs(F.linear(x, self.w_qkv), F.linear(x, self.w_f), F.linear(x, self.w_b),
                                        conv_pool, slots, self.conv, self.dt_bias, self.A_log, self.H, self.K, self.V)
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
             return self._output(o, x)
-        # the same contract in torch: slot 0 reads zeros and is never written
         inputs, full = self._inputs(x, conv_pool[slots])
-        live = slots > 0
-        h0 = kda_pool[slots].float() * live[:, None, None, None]
-        o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
-        kda_pool[slots[live]] = ht[live].to(kda_pool.dtype)
+        if self.uses_triton(x):
+            o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
+        else:  # the same contract in torch: slot 0 reads zeros and is never written
+            live = slots > 0
+            h0 = kda_pool[slots].float() * live[:, None, None, None]
+            o, ht = naive_recurrent_kda(*inputs, initial_state=h0, output_final_state=True)
+            kda_pool[slots[live]] = ht[live].to(kda_pool.dtype)
         conv_pool.index_copy_(0, slots, full[:, -(CONV - 1):].to(conv_pool.dtype))
         conv_pool[0].zero_()
         return self._output(o, x)

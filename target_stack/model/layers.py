@@ -29,7 +29,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(dim))
-        self.fused: bool | None = None  # the one-launch Triton kernel; None: on a GPU
+        self.fused: bool | None = False  # the one-launch Triton kernel (ops/norm.py): always, never, None: on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda if self.fused is None else self.fused:

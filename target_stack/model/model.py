@@ -45,6 +45,9 @@ class ModelConfig:
     # the KDA layers' recurrent state in the decode pool: fp32, or bf16 (a reduced-byte state: half the bytes
     # a decode step moves, rounded once per step; a numerics change a person approves, never the default)
     kda_state_dtype: str = "fp32"
+    # the one-launch decode inputs and norms (ops/kda/decode_inputs.py, ops/norm.py) on the Triton path: off
+    # until they are timed on a GPU (bench/decode_ops.py counts what they save)
+    fused_kernels: bool = False
     seed: int = 0
 
     def kv_dtype_for(self, layer: int) -> str:
@@ -185,6 +188,12 @@ class HybridModel(torch.nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab, cfg.dim, generator=gen) * cfg.dim**-0.5)
         self.image_encoder = ImageEncoder(cfg, gen)
+        if cfg.fused_kernels:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.fused = None  # on a GPU
+                elif isinstance(module, KDALayer):
+                    module.fused = True  # on its Triton path
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.dtype not in (torch.int32, torch.int64):

@@ -37,12 +37,14 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     assert engine.usage()["pages_used"] == 0 and engine.usage()["slots_used"] == 0
 
 
-@pytest.mark.parametrize("kda_backend", ["triton", "torch"])
-def test_continuous_batching_equals_full_recompute(gen, kda_backend):
-    # the Triton kernels (interpreted here) or the torch chunked form; pooled decode either way
+@pytest.mark.parametrize("kda_backend,fused", [("triton", False), ("triton", True), ("torch", False)])
+def test_continuous_batching_equals_full_recompute(gen, kda_backend, fused):
+    # the Triton kernels (interpreted here; with fused: the one-launch decode inputs and norms too) or the
+    # torch chunked form; pooled decode either way
     # the Triton kernels take the GPU's tensors where there is one (fp32, so greedy outputs must still match)
     dev = "cuda" if kda_backend == "triton" and torch.cuda.is_available() else "cpu"
-    model = HybridModel(ModelConfig(kda_backend=kda_backend)).to(dev)
+    model = HybridModel(ModelConfig(kda_backend=kda_backend, fused_kernels=fused)).to(dev)
+    assert all(b.mixer.fused == fused for b in model.blocks if not b.is_attn)
     # lengths straddle a page (16) and the sparse-attention horizon (top_k * block = 64)
     prompts = [random_prompt(gen, n, model.cfg.vocab) for n in (5, 17, 70)]
     engine = LLMEngine(model)

@@ -42,6 +42,7 @@ def test_the_pooled_decode_step_through_the_fused_inputs_equals_the_torch_step(g
     torch path over three steps, the pools carried by each."""
     H, K, V, dim = 2, 16, 16, 32
     layer = KDALayer(dim, H, K, V, generator=gen, backend="triton").to(DEVICE)
+    layer.fused = True
     C = H * (2 * K + V)
     pools = {}
     for backend in ("triton", "torch"):
