@@ -107,7 +107,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
 
         def run(self, *a, _original=original, **kw):
             if not counter.paused:
-                launches[(getattr(self, "__name__", None) or getattr(self.fn, "__name__", "?"), _site(stack_root))] += 1
+                launches[_site(stack_root)] += 1
             counter.paused += 1
             try:
                 return _original(self, *a, **kw)
@@ -127,7 +127,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
         by_name[name] += n
         kind = "matmul" if name in MATMULS else "conversion" if name in CONVERSIONS else "other"
         by_site[site][kind] += n
-    for (_kernel, site), n in launches.items():
+    for site, n in launches.items():
         by_site[site]["triton"] += n
     sites = sorted(by_site.items(), key=lambda kv: -sum(kv[1].values()))
     return {"preset": preset, "dtype": dtype, "batch": batch, "layers": len(model.blocks), "fused": fused,

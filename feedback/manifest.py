@@ -11,10 +11,19 @@ import fnmatch
 import operator
 import pathlib
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MANIFEST_NAME = "infra-agent.yaml"
 KINDS = ("static", "correctness", "microbench", "trace", "events", "e2e")
@@ -102,6 +111,10 @@ def _env_strings(value: Any) -> dict[str, str]:
     return out
 
 
+#: an ``env:`` mapping, checked and stringified as it is read
+EnvVars = Annotated[dict[str, str], BeforeValidator(_env_strings)]
+
+
 class ProbeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -127,14 +140,9 @@ class ProbeSpec(BaseModel):
                             "present: for probes that count a kernel's work (feedback/workcount.py), never time it")
     repeats: int | None = Field(None, ge=1, le=100, description="runs of the probe per judgement (default: 3 for "
                                 "microbench and e2e, whose verdicts need an interval and a noise floor; 1 otherwise)")
-    env: dict[str, str] = Field(default_factory=dict, description="environment variables the probe runs with (a "
-                                "library's switches, e.g. TRITON_CACHE_AUTOTUNING); over the manifest's env; part of "
-                                "the probe's cache key")
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: Any) -> dict[str, str]:
-        return _env_strings(value)
+    env: EnvVars = Field(default_factory=dict, description="environment variables the probe runs with (a "
+                         "library's switches, e.g. TRITON_CACHE_AUTOTUNING); over the manifest's env; part of "
+                         "the probe's cache key")
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> ProbeSpec:
@@ -221,13 +229,8 @@ class Manifest(BaseModel):
     probe_path: list[str] = Field(default_factory=list, description="folders, relative to the manifest file, of "
                                   "probe modules kept outside the target (first on the probes' import path, so no "
                                   "file of the tree can stand in for them)")
-    env: dict[str, str] = Field(default_factory=dict, description="environment variables every probe runs with "
-                                "(a probe's own env overrides them)")
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env(cls, value: Any) -> dict[str, str]:
-        return _env_strings(value)
+    env: EnvVars = Field(default_factory=dict, description="environment variables every probe runs with "
+                         "(a probe's own env overrides them)")
     _source: str | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)  # what it was parsed from (a baseline with the same text reuses it)
 

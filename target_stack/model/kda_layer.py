@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda
-from target_stack.ops.kda.decode_inputs import kda_decode_inputs
+from target_stack.ops.kda.decode_inputs import CONV, kda_decode_inputs
 from target_stack.ops.norm import rms_norm
-
-CONV = 4
 
 
 @dataclass

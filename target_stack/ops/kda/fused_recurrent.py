@@ -11,9 +11,9 @@ read and updated in place, one slot per sequence.  Slot 0 is the null slot: rows
 it (padding) read a zero state and are never written back.
 
 The pool may be bfloat16 (a reduced-byte decode state): the kernel still computes in fp32 and rounds
-the state once per step when it writes it back, so a decode step moves about half the bytes.  That
-rounding accumulates over a long decode (``bench/decode_state.py`` measures how much): a numerics
-change a person approves, never the default (``ModelConfig.kda_state_dtype``).
+the state once per step when it writes it back, so a decode step moves about half the bytes.  How
+much that rounding costs over a long decode, ``python -m target_stack.bench kda --only state``
+measures: a numerics change a person approves, never the default (``ModelConfig.kda_state_dtype``).
 """
 
 from __future__ import annotations
