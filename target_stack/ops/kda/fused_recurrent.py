@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import CachedLaunch, alloc, block_size, check_kda_inputs
+from target_stack.ops.utils import CachedLaunch, alloc, block_size, check_kda_inputs, interpreting
 
 
 @triton.jit
@@ -133,6 +133,23 @@ _plans: dict = {}
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _decode_tile(V: int, rows: int, device: torch.device, state_dtype: torch.dtype = torch.float32) -> int:
+    """The V tile for a launch over ``rows`` (sequence, head) pairs: the widest up to 64 (32 for a bf16
+    state) that still gives every SM a dozen programs, narrower down to 16 for a small batch, which
+    needs the programs to fill the GPU; 32 in the interpreter.  The launch takes one warp per 4096
+    state elements of a program's tile.  On an H200 at H=32, K=V=128 this picks, for an fp32 state,
+    BV=16 at batch 1, 32 at 16, and 64 at 64 and 256; for a bf16 state 16 at batch 1 and 32 above.
+    Each is the fastest of the launch sweep without cache hints (``bench/decode_sweep.py``,
+    bench/RESULTS.md 2026-12-02)."""
+    tile = min(block_size(V, 1), 64 if state_dtype == torch.float32 else 32)
+    if interpreting() or device.type != "cuda":
+        return min(tile, 32)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    while tile > 16 and rows * triton.cdiv(V, tile) < 12 * sms:
+        tile //= 2
+    return tile
+
+
 def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices, l2norm, beta_sigmoid):
     """Validate a call signature and prepare its launch: (N, T, H, K, V, grid, constexprs, key)."""
     pooled = ssm_state_indices is not None
@@ -151,10 +168,10 @@ def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices
         if ssm_state_indices.device != q.device:
             raise ValueError(f"ssm_state_indices is on {ssm_state_indices.device} but q is on {q.device}")
     BK = block_size(K, 1)
-    BV = min(block_size(V, 1), 32)
+    BV = _decode_tile(V, N * H, q.device, initial_state.dtype if pooled else torch.float32)
     flags = dict(USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=pooled or bool(output_final_state),
                  USE_SLOTS=pooled, L2NORM_QK=bool(l2norm), BETA_SIGMOID=bool(beta_sigmoid))
     key = (N, T, H, K, V, q.dtype, g.dtype, beta.dtype, q.device, pooled and ssm_state_indices.dtype,
            pooled and initial_state.dtype, *flags.values())
-    constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=1 if BK * BV <= 1024 else 4)
+    constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=max(1, BK * BV // 4096))
     return N, T, H, K, V, (triton.cdiv(V, BV), N, H), constexprs, key
