@@ -6,9 +6,12 @@ torch-eager implementation of the same model, side by side in one run (issue 6).
 2. bench preset, bf16: decode throughput at batch 1 / 16 / 64 of
    - plain eager: the same model with KDA through its torch form, MoE as a per-expert loop, no
      graphs, no Triton (what a straightforward torch implementation does), and
-   - the engine: Triton KDA kernels, graph-safe MoE, decode steps replayed from CUDA graphs;
-   both through ``LLMEngine.step`` (sampling and scheduling included), median of 20 steps after
-   warm-up, same prompts.
+   - the engine without the fused kernels: Triton KDA kernels, graph-safe MoE, decode steps
+     replayed from CUDA graphs;
+   - the engine as configured by default, with ``fused_kernels`` (one-launch norms and KDA decode
+     inputs), its graphs captured with them;
+   all through ``LLMEngine.step`` (sampling and scheduling included), median of 20 steps after
+   warm-up, same prompts.  The tiny check runs with the fused kernels off and on.
 Prints a table; writes JSON to $OUT/engine_gpu.json (or bench/out/).
 """
 
@@ -41,10 +44,14 @@ def check_tiny() -> dict:
             seq.append(int(model(torch.tensor([seq], device="cuda"))[0, -1].argmax()))
         refs.append(seq[len(p):])
     out = {}
-    for graphs in (False, True):
-        outs = LLMEngine(model, cuda_graphs=graphs).generate(prompts, SamplingParams(max_tokens=6))
-        out[f"graphs={graphs}"] = [o.tokens for o in outs] == refs
-        print(f"tiny fp32 cuda, graphs={graphs}: equal to recompute: {out[f'graphs={graphs}']}")
+    for fused in (False, True):
+        model.set_fused_kernels(fused)
+        for graphs in (False, True):
+            outs = LLMEngine(model, cuda_graphs=graphs).generate(prompts, SamplingParams(max_tokens=6))
+            name = f"graphs={graphs},fused={fused}"
+            out[name] = [o.tokens for o in outs] == refs
+            print(f"tiny fp32 cuda, {name}: equal to recompute: {out[name]}")
+    model.set_fused_kernels(False)
     return out
 
 
@@ -89,16 +96,21 @@ def compare(batches=(1, 16, 64), prompt_len=256) -> dict:
     eager = LLMEngine(model, cuda_graphs=False, **kw)
     set_kda_backend(model, "triton")
     engine = LLMEngine(model, cuda_graphs=True, **kw)
+    fused = LLMEngine(model, cuda_graphs=True, **kw)  # its graphs captured with the fused kernels on
     rows = {}
     for b in batches:
         set_kda_backend(model, "torch")
+        model.set_fused_kernels(False)  # no Triton in the plain form, and none fused in the engine's first column
         e = decode_rate(eager, b, prompt_len)
         set_kda_backend(model, "triton")
         g = decode_rate(engine, b, prompt_len)
-        rows[b] = {"eager_step_ms": e * 1e3, "engine_step_ms": g * 1e3, "eager_tok_s": b / e, "engine_tok_s": b / g,
-                   "speedup": e / g}
+        model.set_fused_kernels(True)
+        f = decode_rate(fused, b, prompt_len)
+        rows[b] = {"eager_step_ms": e * 1e3, "engine_step_ms": g * 1e3, "fused_step_ms": f * 1e3,
+                   "eager_tok_s": b / e, "engine_tok_s": b / g, "fused_tok_s": b / f, "speedup": e / g,
+                   "fused_speedup": e / f}
         print(f"batch {b:3d}: plain eager {e * 1e3:8.2f} ms/step ({b / e:8.0f} tok/s) | engine {g * 1e3:7.2f} ms/step "
-              f"({b / g:8.0f} tok/s) | {e / g:5.2f}x")
+              f"({b / g:8.0f} tok/s) | {e / g:5.2f}x | fused {f * 1e3:7.2f} ms/step ({e / f:5.2f}x)", flush=True)
     return rows
 
 

@@ -45,9 +45,10 @@ class ModelConfig:
     # the KDA layers' recurrent state in the decode pool: fp32, or bf16 (a reduced-byte state: half the bytes
     # a decode step moves, rounded once per step; a numerics change a person approves, never the default)
     kda_state_dtype: str = "fp32"
-    # the one-launch decode inputs and norms (ops/kda/decode_inputs.py, ops/norm.py) on the Triton path: off
-    # until they are timed on a GPU (bench/decode_ops.py counts what they save)
-    fused_kernels: bool = False
+    # the one-launch decode inputs and norms (ops/kda/decode_inputs.py, ops/norm.py) on the Triton path: a
+    # graph-captured bench-preset decode step on an H200 took 3.76 instead of 4.95 ms at batch 1
+    # (bench/engine_gpu.py, 2026-12-02); bench/decode_ops.py counts the launches they save
+    fused_kernels: bool = True
     seed: int = 0
 
     def kv_dtype_for(self, layer: int) -> str:
@@ -188,12 +189,17 @@ class HybridModel(torch.nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = torch.nn.Parameter(torch.randn(cfg.vocab, cfg.dim, generator=gen) * cfg.dim**-0.5)
         self.image_encoder = ImageEncoder(cfg, gen)
-        if cfg.fused_kernels:
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.fused = None  # on a GPU
-                elif isinstance(module, KDALayer):
-                    module.fused = True  # on its Triton path
+        self.set_fused_kernels(cfg.fused_kernels)
+
+    def set_fused_kernels(self, on: bool) -> None:
+        """The one-launch Triton norms and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
+
+        A CUDA graph captured before the switch keeps the kernels it was captured with."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = None if on else False  # on: on a GPU
+            elif isinstance(module, KDALayer):
+                module.fused = bool(on)  # on its Triton path
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.dtype not in (torch.int32, torch.int64):

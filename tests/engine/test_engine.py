@@ -180,8 +180,9 @@ def test_quantised_kv_cache_stays_close_to_the_fp32_engine(gen, kind):
 def test_a_bf16_kda_state_is_opt_in_and_stays_close_to_the_fp32_engine(gen, kda_backend):
     """The reduced-byte decode state (numerics: never the default) through both KDA forms."""
     assert ModelConfig().kda_state_dtype == "fp32"
-    base = HybridModel(ModelConfig(kda_backend=kda_backend))
-    low = HybridModel(ModelConfig(kda_backend=kda_backend, kda_state_dtype="bf16"))
+    dev = "cuda" if kda_backend == "triton" and torch.cuda.is_available() else "cpu"
+    base = HybridModel(ModelConfig(kda_backend=kda_backend)).to(dev)
+    low = HybridModel(ModelConfig(kda_backend=kda_backend, kda_state_dtype="bf16")).to(dev)
     engines = [LLMEngine(base), LLMEngine(low)]
     assert {p.kda.dtype for p in engines[0].runner.states.values()} == {torch.float32}
     assert {p.kda.dtype for p in engines[1].runner.states.values()} == {torch.bfloat16}

@@ -96,15 +96,16 @@ def test_kda_layer_prefill_matches_reference_and_decode_continues_it(gen, backen
 
 
 def test_the_fused_norms_are_their_torch_forms(gen):
-    """The one-launch norms a GPU takes (here through the interpreter) against the CPU's torch forms."""
+    """The one-launch norms (on a GPU natively, elsewhere through the interpreter) against their torch forms."""
     from target_stack.model.kda_layer import KDALayer
 
-    layer = KDALayer(dim=40, heads=3, head_k=8, head_v=24, generator=gen)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = KDALayer(dim=40, heads=3, head_k=8, head_v=24, generator=gen).to(dev)
     with torch.no_grad():
         layer.norm_w.copy_(torch.rand(24, generator=gen) + 0.5)
-        o, x = torch.randn(2, 5, 3, 24, generator=gen), torch.randn(2, 5, 40, generator=gen)
+        o, x = (torch.randn(*shape, generator=gen).to(dev) for shape in ((2, 5, 3, 24), (2, 5, 40)))
         assert rel_err(layer._output(o, x, fused=True), layer._output(o, x, fused=False)) < 1e-6
-        norm = RMSNorm(40)
+        norm = RMSNorm(40).to(dev)
         norm.weight.copy_(torch.rand(40, generator=gen) + 0.5)
         torch_form = norm(x)
         norm.fused = True
