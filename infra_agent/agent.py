@@ -98,11 +98,15 @@ class Agent:
 
     # -- running --
 
+    def _probe_ended(self, side: str, result) -> None:
+        self.emit("probe", {"side": side, "result": result})
+
     def judge_baseline(self) -> FeedbackReport:
         base = self.ws.baseline()
         self.emit("judging", {"what": "baseline", "tree": str(base.path)})
         report = judge(base.path, jobs=self.jobs, run_all=True, label=f"baseline {base.base[:10]}",
-                       cache_dir=self.cache_dir, manifest=self.ws.judges(), executor=self.executor)
+                       cache_dir=self.cache_dir, manifest=self.ws.judges(), executor=self.executor,
+                       on_result=self._probe_ended)
         self.emit("feedback", {"report": report})
         return report
 
@@ -253,7 +257,8 @@ class Agent:
         judges = self.ws.judges()
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
                        label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True,
-                       manifest=judges, baseline_manifest=judges, executor=self.executor)
+                       manifest=judges, baseline_manifest=judges, executor=self.executor,
+                       on_result=self._probe_ended)
         record.report = report
         judgement = report.verdict or verdict(report)
         record.verdict, record.reason = judgement.name, judgement.reason

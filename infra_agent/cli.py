@@ -680,7 +680,7 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
     import pathlib
 
     from infra_agent.agent import Limits
-    from infra_agent.session import make_backend, print_event, render_summary, run_session
+    from infra_agent.session import make_backend, print_event, print_progress, render_summary, run_session
     from infra_agent.workspace import GitWorkspace, new_session_id
 
     for n, sc in enumerate(chosen, 1):
@@ -704,7 +704,7 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
                        trajectory=trajectory)
         limits = Limits(max_steps=max_steps, time_limit_s=time_limit, parallel=parallel)
         outcome, summary = run_session(ws, be, task, limits, jobs=jobs,
-                                       on_event=None if as_json else print_event(console), scenario=sc,
+                                       on_event=print_progress() if as_json else print_event(console), scenario=sc,
                                        executor=ex)
         summaries.append(summary)
         if not as_json:
@@ -722,7 +722,7 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     from infra_agent.agent import Limits
     from infra_agent.resume import ResumeError
     from infra_agent.scenarios import ScenarioError, resolve
-    from infra_agent.session import make_backend, print_event, render_summary, run_session
+    from infra_agent.session import make_backend, print_event, print_progress, render_summary, run_session
     from infra_agent.workspace import GitWorkspace
 
     state = _state(target)
@@ -740,8 +740,8 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     try:
         outcome, summary = run_session(ws, be, goal or meta.get("goal") or DEFAULT_GOAL,
                                        Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
-                                       on_event=None if as_json else print_event(console), scenario=sc, resume=True,
-                                       executor=executor)
+                                       on_event=print_progress() if as_json else print_event(console), scenario=sc,
+                                       resume=True, executor=executor)
     except ResumeError as exc:
         fail(str(exc))
     if as_json:

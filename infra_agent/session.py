@@ -44,11 +44,48 @@ def make_backend(kind: str | None, workspace, *, model: str | None = None, base_
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
 
 
-def print_event(console: Console):
-    """A live, line-per-event view of the session."""
+def print_progress(stream=None):
+    """The session's progress as plain lines on stderr (``run --json``, whose stdout is the summary): what
+    is judged, each probe as it ends, each step and verdict; a run cut short still says how far it got."""
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    judged = {"what": "candidate"}  # the tree being judged: its probes' results come back as the "candidate" side
+
+    def line(text: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {text}", file=stream or sys.stderr, flush=True)
 
     def on_event(kind: str, data: dict) -> None:
         if kind == "judging":
+            judged["what"] = data["what"]
+            line(f"judging {data['what']}" + (f" ({', '.join(data['files'])})" if data.get("files") else ""))
+        elif kind == "probe":
+            r, side = data["result"], data["side"]
+            side = judged["what"] if side == "candidate" else side
+            line(f"  {side} {r.probe}: {r.status.value} ({r.duration_s:.1f} s{', cached' if r.cached else ''})")
+        elif kind == "action":
+            line(f"step {data['step']} {data['name']}"
+                 + (f" {data['args']['playbook_id']}" if data["args"].get("playbook_id") else ""))
+        elif kind == "attempt":
+            a = data["attempt"]
+            line(f"  verdict {a.verdict} -> {a.decision}: {_clip(a.reason, 200)}")
+        elif kind in ("format_error", "warning"):
+            line(f"  {kind.replace('_', ' ')}: {data['message']}")
+
+    return on_event
+
+
+def print_event(console: Console):
+    """A live, line-per-event view of the session (each probe's end too where the console is a log)."""
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "probe":
+            if not console.is_terminal:
+                r = data["result"]
+                console.print(f"[dim]  {data['side']} {r.probe}: {r.status.value} ({r.duration_s:.1f} s"
+                              f"{', cached' if r.cached else ''})[/]", highlight=False)
+        elif kind == "judging":
             what = data["what"]
             files = f" ({', '.join(data['files'])})" if data.get("files") else ""
             console.print(f"[dim]judging {what}{files} ...[/]")

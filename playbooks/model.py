@@ -33,15 +33,19 @@ class MetricPredicate(BaseModel):
     op: Literal["<", "<=", ">", ">=", "=="]
     value: float
 
-    def evidence(self, report: FeedbackReport) -> list[str]:
+    def hits(self, report: FeedbackReport) -> list[tuple[str, str]]:
+        """(probe, evidence) for every metric of the report that satisfies the predicate."""
         out = []
         for r in report.results:
             if not fnmatch.fnmatchcase(r.probe, self.probe):
                 continue
             for name, m in r.metrics.items():
                 if fnmatch.fnmatchcase(name, self.metric) and _OPS[self.op](m.value, self.value):
-                    out.append(f"{r.probe}.{name} = {m.value:.4g} {self.op} {self.value:g}")
+                    out.append((r.probe, f"{r.probe}.{name} = {m.value:.4g} {self.op} {self.value:g}"))
         return out
+
+    def evidence(self, report: FeedbackReport) -> list[str]:
+        return [text for _, text in self.hits(report)]
 
     def observed(self, report: FeedbackReport) -> list[str]:
         """Every value of the metric in the report, whether or not it satisfies the predicate."""
@@ -63,7 +67,7 @@ class FindingPredicate(BaseModel):
         re.compile(v)
         return v
 
-    def evidence(self, report: FeedbackReport) -> list[str]:
+    def hits(self, report: FeedbackReport) -> list[tuple[str, str]]:
         pat = re.compile(self.message)
         out = []
         for r in report.results:
@@ -71,8 +75,11 @@ class FindingPredicate(BaseModel):
                 continue
             texts = [f.message + (f" [{f.location.render()}]" if f.location.render() else "") for f in r.findings]
             texts += [r.reason] if r.reason else []
-            out += [f"{r.probe}: {t}" for t in texts if pat.search(t)]
+            out += [(r.probe, f"{r.probe}: {t}") for t in texts if pat.search(t)]
         return out
+
+    def evidence(self, report: FeedbackReport) -> list[str]:
+        return [text for _, text in self.hits(report)]
 
 
 Predicate = MetricPredicate | FindingPredicate
@@ -165,6 +172,10 @@ class Applicability(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     code_matches: list[CodeMatch] = Field(default_factory=list)
     reason: str = ""
+    # the probes whose results gave the evidence for it, and whether one of them failed: a fix for a
+    # failing probe comes before an optimisation a passing one suggests
+    evidence_probes: list[str] = Field(default_factory=list)
+    for_a_failure: bool = False
 
 
 def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
@@ -187,34 +198,80 @@ def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
     return hits
 
 
-def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path) -> Applicability:
-    """Does ``pb`` apply to ``tree`` given the feedback ``report``?  Evidence is returned either way."""
+def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path,
+             covers: dict[str, list[str]] | None = None) -> Applicability:
+    """Does ``pb`` apply to ``tree`` given the feedback ``report``?  Evidence is returned either way.
+
+    With ``covers`` (probe id -> the file globs its manifest entry covers), evidence is bound to code:
+    the code patterns count only in the files the evidence's probes are about (their covers and where
+    their findings point), and evidence against counts only from probes about a file the patterns
+    match.  A slow decode kernel is then no reason to rewrite a norm in another module, and a fast
+    kernel elsewhere is no reason to leave a slow one alone."""
     tree = pathlib.Path(tree)
     sig = pb.applicability.signals
-    evidence: list[str] = []
+    matches = [m for pat in pb.applicability.code for m in _match_code(pat, tree)]
+    files = {m.file for m in matches}
     for pred in sig.none_of:
-        against = pred.evidence(report)
+        against = [e for p, e in pred.hits(report)
+                   if covers is None or not files or (sc := _scope([p], report, covers)) is None
+                   or any(_in(f, sc) for f in files)]
         if against:
             return Applicability(playbook=pb.id, applies=False, evidence=against,
                                  reason=f"declined: evidence against it: {against[0]}")
+    hits: list[tuple[str, str]] = []
     for pred in sig.all_of:
-        ev = pred.evidence(report)
-        if not ev:
-            return Applicability(playbook=pb.id, applies=False, evidence=evidence,
-                                 reason=f"declined: no evidence for {_describe(pred, report)}")
-        evidence += ev
-    if sig.any_of:
-        found = [e for pred in sig.any_of for e in pred.evidence(report)]
+        found = pred.hits(report)
         if not found:
-            return Applicability(playbook=pb.id, applies=False, evidence=evidence,
+            return Applicability(playbook=pb.id, applies=False, evidence=[e for _, e in hits],
+                                 reason=f"declined: no evidence for {_describe(pred, report)}")
+        hits += found
+    if sig.any_of:
+        found = [h for pred in sig.any_of for h in pred.hits(report)]
+        if not found:
+            return Applicability(playbook=pb.id, applies=False, evidence=[e for _, e in hits],
                                  reason="declined: none of " + "; ".join(_describe(p, report) for p in sig.any_of))
-        evidence += found
-    matches = _where_pointed([m for pat in pb.applicability.code for m in _match_code(pat, tree)], report)
+        hits += found
+    probes = list(dict.fromkeys(p for p, _ in hits))
+    if covers is not None and matches:
+        scope = _scope(probes, report, covers)
+        if scope is not None:
+            bound = [m for m in matches if _in(m.file, scope)]
+            if not bound:
+                return Applicability(
+                    playbook=pb.id, applies=False, evidence=[e for _, e in hits],
+                    reason=f"declined: the evidence ({', '.join(probes[:3])}) is about {', '.join(sorted(scope)[:4])}; "
+                           f"the code pattern matches only elsewhere ({matches[0]})")
+            matches = bound
+    matches = _where_pointed(matches, report)
     if pb.applicability.code and not matches:
-        return Applicability(playbook=pb.id, applies=False, evidence=evidence,
+        return Applicability(playbook=pb.id, applies=False, evidence=[e for _, e in hits],
                              reason="declined: the feedback fits but no code pattern matches in the target")
+    status = {r.probe: r.status.value for r in report.results}
+    evidence = [e for _, e in hits]
     return Applicability(playbook=pb.id, applies=True, evidence=evidence, code_matches=matches,
-                         reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""))
+                         reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""),
+                         evidence_probes=probes, for_a_failure=any(status.get(p) == "fail" for p in probes))
+
+
+def _scope(probes: list[str], report: FeedbackReport, covers: dict[str, list[str]]) -> set[str] | None:
+    """The files ``probes`` are about: their covers and the files their findings name; None where one of
+    them names none (a probe of the whole target), so that nothing can be ruled out."""
+    by_id = {r.probe: r for r in report.results}
+    scope: set[str] = set()
+    for p in probes:
+        mine = set(covers.get(p, ()))
+        r = by_id.get(p)
+        if r is not None:
+            mine |= {part.strip() for f in r.findings if f.location.file for part in f.location.file.split(",")
+                     if part.strip()}
+        if not mine:
+            return None
+        scope |= mine
+    return scope
+
+
+def _in(path: str, globs: set[str]) -> bool:
+    return any(path == g or fnmatch.fnmatchcase(path, g) for g in globs)
 
 
 def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[CodeMatch]:

@@ -117,7 +117,8 @@ def _negated(arg: ast.expr, src: str) -> str:
 def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
     """Divisions by a special function become multiplies: ``x / tl.sqrt(y)`` -> ``x * tl.rsqrt(y)`` and
     ``x / tl.exp(y)`` -> ``x * tl.exp(-y)`` (a subscript or call on the divisor, ``tl.exp(y)[:, None]``,
-    is kept).  A full-precision division costs many instructions; the multiply one."""
+    is kept); ``1 / tl.sqrt(y)`` is ``tl.rsqrt(y)``.  A full-precision division costs many
+    instructions; the multiply one."""
     changed = []
     for rel in _files(matches):
         path = tree / rel
@@ -143,9 +144,11 @@ def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str
             else:
                 continue
             # from the operator itself (a parenthesised left operand ends after its own parenthesis)
-            slash = src.index("/", pos(node.left.end_lineno, node.left.end_col_offset),
+            start = src.index("/", pos(node.left.end_lineno, node.left.end_col_offset),
                               pos(node.right.lineno, node.right.col_offset))
-            edits.append((slash, pos(node.right.end_lineno, node.right.end_col_offset), repl))
+            if isinstance(node.left, ast.Constant) and node.left.value == 1:  # 1 / tl.sqrt(y): tl.rsqrt(y)
+                start, repl = pos(node.left.lineno, node.left.col_offset), repl[2:]
+            edits.append((start, pos(node.right.end_lineno, node.right.end_col_offset), repl))
         if edits:
             bound = len(src)
             for a, b, text in sorted(set(edits), reverse=True):

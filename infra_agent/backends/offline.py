@@ -1,10 +1,12 @@
 """The offline backend: a deterministic playbook policy, no model and no network.
 
 Each step it evaluates the playbooks against the latest feedback on the baseline and the
-baseline's code, takes the first applicable playbook with an executable transform that it has
-not tried, runs the transform in a scratch worktree to obtain the diff, and proposes it.  When
-no playbook applies it finishes.  It holds no answer for any particular defect: whatever it
-does comes from the feedback signals and the code patterns the playbooks declare.
+baseline's code (each probe's evidence bound to the files its manifest entry covers), takes the
+first applicable playbook with an executable transform that it has not tried (one that answers a
+failing probe before one that optimises a passing one), runs the transform in a scratch worktree
+to obtain the diff, and proposes it.  When no playbook applies it finishes.  It holds no answer
+for any particular defect: whatever it does comes from the feedback signals and the code patterns
+the playbooks declare.
 """
 
 from __future__ import annotations
@@ -24,16 +26,28 @@ class OfflineBackend:
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
         self._tried: set[str] = set()
 
+    def _covers(self) -> dict[str, list[str]] | None:
+        """probe id -> the files its manifest entry covers: evidence is bound to the code it is about."""
+        try:
+            manifest = self.ws.judges() or self.ws.manifest()
+        except Exception:  # noqa: BLE001 - a workspace without a readable manifest: evidence stays unbound
+            return None
+        return {p.id: list(p.covers.files) for p in manifest.probes}
+
+    def _ranked(self, state: AgentState, tried: set[str]) -> list[tuple[Playbook, object]]:
+        """Every untried playbook evaluated: those fixing a failing probe first, then the library's order."""
+        covers = self._covers()
+        apps = [(pb, evaluate(pb, state.feedback, state.tree, covers)) for pb in self.library.values()
+                if pb.id not in tried]
+        return sorted(apps, key=lambda x: not (x[1].applies and x[1].for_a_failure))
+
     def next_action(self, state: AgentState) -> Action:
         tried = self._tried | {a.playbook for a in state.attempts if a.playbook} | set(state.rejected_playbooks)
         notes = [f"{p} was rejected by a reviewer earlier: not proposed again" for p in state.rejected_playbooks]
-        for pb in self.library.values():
-            if pb.id in tried:
-                continue
-            app = evaluate(pb, state.feedback, state.tree)
+        for pb, app in self._ranked(state, tried):
             if not app.applies:
-                if app.reason.startswith("declined: evidence against it"):  # measured evidence said no: say so
-                    notes.append(f"{pb.id} {app.reason}")
+                if app.reason.startswith(("declined: evidence against it", "declined: the evidence")):
+                    notes.append(f"{pb.id} {app.reason}")  # measured evidence said no, or said it of other code
                 continue
             if pb.transformation.transform is None:
                 notes.append(f"{pb.id} applies ({app.reason}) but is text only: left for a model or a person")
@@ -60,12 +74,11 @@ class OfflineBackend:
         so the proposals made afterwards are the same trees, and their judgements come from the cache)."""
         tried = self._tried | {a.playbook for a in state.attempts if a.playbook} | set(state.rejected_playbooks)
         out = []
-        for pb in self.library.values():
+        for pb, app in self._ranked(state, tried):
             if len(out) >= n:
                 break
-            if pb.id in tried or pb.transformation.transform is None:
+            if pb.transformation.transform is None:
                 continue
-            app = evaluate(pb, state.feedback, state.tree)
             if app.applies and (diff := self._diff(pb, app)).strip():
                 out.append(Action("propose_patch", {"hypothesis": pb.title, "diff": diff, "playbook_id": pb.id}))
         return out

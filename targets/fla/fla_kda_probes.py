@@ -75,7 +75,9 @@ def prefill_bench(ctx: ProbeContext) -> None:
         return max(rel_err(out[0], ro) / 30, rel_err(out[1], rs))
 
     nbytes = T * H * (2 * K * 2 + K * 4 + 2 * V * 2 + 4)
-    t = ctx.timed("prefill", make=lambda i: _inputs(1, T, H, K, V), reps=10, check=check, bytes_moved=nbytes,
+    # bf16 inputs: fla's chunked form (its intermediates in bf16) ends 3e-3 off the float64 state at 4k
+    # tokens on an H200 (bench/RESULTS.md), as target_stack's does; a skipped or stale result is off by O(1)
+    t = ctx.timed("prefill", make=lambda i: _inputs(1, T, H, K, V), reps=10, check=check, tol=2e-2, bytes_moved=nbytes,
                   call=lambda *x: chunk_kda(*x, output_final_state=True), file="fla/ops/kda/chunk.py",
                   symbol="chunk_kda", condition=f"T={T}")
     ctx.metric("tokens_per_s", T / t.median_s, unit="tok/s", better="higher")

@@ -23,6 +23,9 @@ def test_run_cli_offline_on_a_clean_target_and_sessions(tmp_path):
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["outcome"] == "finished" and summary["failing_after"] == [] and summary["backend"] == "offline"
+    # the JSON is stdout; the progress, one line per probe as it ends, is stderr
+    assert "judging baseline" in out.stderr and "step 1 finish" in out.stderr, out.stderr
+    assert any(line.split("] ", 1)[-1].startswith("  baseline ") and "pass" in line for line in out.stderr.splitlines())
     listed = subprocess.run([sys.executable, "-m", "infra_agent.cli", "sessions", "list", "--target", str(root),
                              "--json"], capture_output=True, text=True, env=env_without_keys())
     (session,) = json.loads(listed.stdout)

@@ -149,6 +149,7 @@ def test_the_division_transform_rewrites_sqrt_and_exp_divisors_and_nothing_else(
     src = ("y = (a + b) / tl.sqrt(tl.sum(c * c) + 1e-6)\n"
            "h = h / tl.exp(-g)[:, None]\n"
            "u = u / tl.exp(g * 2)\n"
+           "r = 1 / tl.sqrt(v + eps)\n"
            "z = a / b\n")
     t = tree(tmp_path, {"k.py": src})
     app = evaluate(LIB["reciprocal-rsqrt"], report(metrics("w.work", divisions_per_output=3.0)), t)
@@ -157,6 +158,7 @@ def test_the_division_transform_rewrites_sqrt_and_exp_divisors_and_nothing_else(
     assert (t / "k.py").read_text() == ("y = (a + b) * tl.rsqrt(tl.sum(c * c) + 1e-6)\n"
                                         "h = h * tl.exp(g)[:, None]\n"
                                         "u = u * tl.exp(-(g * 2))\n"
+                                        "r = tl.rsqrt(v + eps)\n"  # not 1 * tl.rsqrt(...)
                                         "z = a / b\n")
 
 

@@ -1,0 +1,103 @@
+"""The offline policy's choice on a repository it did not write: evidence bound to the files a probe is
+about, and a fix for a failing probe before an optimisation a passing one suggests.
+
+The case is the one the flash-linear-attention 0.5.2 tree produced on an H200 (bench/RESULTS.md,
+2026-12-02): its context-parallel merge fails (a tf32 dot chain) while the GPU microbenchmarks of
+other kernels read far below copy bandwidth, and the repository holds ``1 / tl.sqrt`` in norm
+modules none of those benchmarks runs.  Unbound, the policy rewrote the norms first.
+"""
+
+from __future__ import annotations
+
+import git
+
+from feedback.models import FeedbackReport, Finding, Location, Metric, ProbeResult, Status
+from infra_agent.agent import AgentState
+from infra_agent.backends.offline import OfflineBackend
+from infra_agent.workspace import GitWorkspace
+from playbooks.model import evaluate, load_library
+
+ACTOR = git.Actor("t", "t@t")
+MANIFEST = """
+schema_version: 1
+name: ext
+python_path: ["."]
+probes:
+  - {id: ext.static.dots, kind: static, check: dot_precision, params: {paths: [pkg/cp]},
+     covers: {files: ["pkg/cp/*.py"]}}
+  - {id: ext.decode.bench, kind: microbench, entry: "pkg.bench:decode", covers: {files: ["pkg/decode/*.py"]}}
+"""
+FILES = {
+    "pkg/__init__.py": "",
+    "pkg/bench.py": "def decode(ctx):\n    pass\n",
+    "pkg/cp/merge.py": ("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                        "def merge(a, b, o, N: tl.constexpr):\n    r = tl.arange(0, N)\n"
+                        "    b_a = tl.load(a + r[:, None] * N + r[None, :]).to(tl.float32)\n"
+                        "    b_b = tl.load(b + r[:, None] * N + r[None, :]).to(tl.float32)\n"
+                        "    tl.store(o + r[:, None] * N + r[None, :], tl.dot(b_a, b_b))\n"),
+    "pkg/decode/step.py": "import triton.language as tl\n\n\ndef step(x):\n    return x * 2\n",
+    "pkg/norms/rms.py": "import triton.language as tl\n\n\ndef rms(x, v):\n    return 1 / tl.sqrt(v + 1e-6)\n",
+}
+
+
+def _repo(tmp_path, files=FILES):
+    root = tmp_path / "ext"
+    for rel, text in {**files, "infra-agent.yaml": MANIFEST}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    repo = git.Repo.init(root, initial_branch="main")
+    repo.git.add(A=True)
+    repo.index.commit("base", author=ACTOR, committer=ACTOR)
+    return root
+
+
+def _report() -> FeedbackReport:
+    dots = ProbeResult(probe="ext.static.dots", status=Status.failed, findings=[Finding(
+        message="tl.dot without input_precision: fp32 operands default to tf32",
+        location=Location(file="pkg/cp/merge.py", symbol="merge"))])
+    bench = ProbeResult(probe="ext.decode.bench", status=Status.passed,
+                        metrics={"bandwidth_vs_copy": Metric(value=0.11), "step_us": Metric(value=8.8)})
+    return FeedbackReport(target="ext", candidate="base", results=[dots, bench])
+
+
+def test_evidence_about_one_kernel_is_no_reason_to_edit_another(tmp_path):
+    root = _repo(tmp_path)
+    rsqrt = load_library()["reciprocal-rsqrt"]
+    covers = {"ext.static.dots": ["pkg/cp/*.py"], "ext.decode.bench": ["pkg/decode/*.py"]}
+    unbound = evaluate(rsqrt, _report(), root)
+    assert unbound.applies and unbound.code_matches[0].file == "pkg/norms/rms.py"  # what the policy did before
+    bound = evaluate(rsqrt, _report(), root, covers)
+    assert not bound.applies
+    assert "ext.decode.bench" in bound.reason and "pkg/decode/*.py" in bound.reason
+    assert "pkg/norms/rms.py" in bound.reason  # and where the pattern matched instead
+    tf32 = evaluate(load_library()["tf32x3-fp32-dot-chains"], _report(), root, covers)
+    assert tf32.applies and tf32.for_a_failure and tf32.evidence_probes == ["ext.static.dots"]
+    assert [m.file for m in tf32.code_matches] == ["pkg/cp/merge.py"]
+
+
+def test_a_division_in_the_slow_kernel_itself_is_still_found(tmp_path):
+    files = {**FILES, "pkg/decode/step.py": "import triton.language as tl\n\n\ndef step(x, v):\n"
+                                            "    return x / tl.sqrt(v)\n"}
+    root = _repo(tmp_path, files)
+    covers = {"ext.static.dots": ["pkg/cp/*.py"], "ext.decode.bench": ["pkg/decode/*.py"]}
+    app = evaluate(load_library()["reciprocal-rsqrt"], _report(), root, covers)
+    assert app.applies and not app.for_a_failure
+    assert [m.file for m in app.code_matches] == ["pkg/decode/step.py"]  # the norms elsewhere are left alone
+
+
+def test_the_policy_answers_the_failing_probe_first_and_reads_covers_from_the_manifest(tmp_path):
+    files = {**FILES, "pkg/decode/step.py": "import triton.language as tl\n\n\ndef step(x, v):\n"
+                                            "    return x / tl.sqrt(v)\n"}
+    root = _repo(tmp_path, files)
+    ws = GitWorkspace.external(root, "policy")
+    try:
+        backend = OfflineBackend(ws)
+        state = AgentState(goal="g", messages=[], feedback=_report(), tree=ws.baseline().path, attempts=[], step=0)
+        first = backend.next_action(state)
+        assert first.name == "propose_patch" and first.args["playbook_id"] == "tf32x3-fp32-dot-chains"
+        assert "pkg/cp/merge.py" in first.args["diff"] and "pkg/norms" not in first.args["diff"]
+        second = backend.next_action(state)  # then the optimisation, in the kernel the benchmark measured
+        assert second.args["playbook_id"] == "reciprocal-rsqrt"
+        assert "pkg/decode/step.py" in second.args["diff"] and "pkg/norms" not in second.args["diff"]
+    finally:
+        ws.close()
