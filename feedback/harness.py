@@ -13,7 +13,7 @@ from feedback.report import content_hashes, localise
 from feedback.runner import Runner
 from feedback.select import order, select, stages
 from feedback.state import StateDir
-from feedback.verdict import compare, evaluate_acceptance, verdict
+from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, verdict
 
 
 class UnknownProbe(ValueError):
@@ -59,6 +59,9 @@ def judge(
     with ``same_judges`` (a candidate patch, which may not touch them) so is one whose judges differ
     from the baseline's.  ``baseline_manifest``: the baseline's judges when they are not the baseline
     tree's own (a manifest kept outside the target, ``--manifest``).
+
+    With a baseline, the performance probes (microbench, e2e) run one at a time, each probe's two
+    sides back to back (:func:`_paired`); the other kinds run ``jobs`` at a time, side after side.
     """
     t0 = time.perf_counter()
     tree = pathlib.Path(tree).resolve()
@@ -87,11 +90,16 @@ def judge(
     stopped = None
     cascade = stages(specs)
     for stage, group in cascade:
-        results += runner.run(group, on_done=(lambda r: on_result("candidate", r)) if on_result else None)
-        if base_runner is not None:
-            base_group = [s for s in group if _has(base_runner.manifest, s.id)]
-            base_results += base_runner.run([base_runner.manifest.probe(s.id) for s in base_group],
-                                            on_done=(lambda r: on_result("baseline", r)) if on_result else None)
+        if base_runner is not None and judged_by_performance(stage):
+            cand, base = _paired(runner, base_runner, group, on_result)
+            results += cand
+            base_results += base
+        else:
+            results += runner.run(group, on_done=(lambda r: on_result("candidate", r)) if on_result else None)
+            if base_runner is not None:
+                base_group = [s for s in group if _has(base_runner.manifest, s.id)]
+                base_results += base_runner.run([base_runner.manifest.probe(s.id) for s in base_group],
+                                                on_done=(lambda r: on_result("baseline", r)) if on_result else None)
         if not run_all and any(r.status in (Status.failed, Status.error, Status.timeout)
                                for r in results if r.probe in {s.id for s in group}):
             stopped = stage if stage != cascade[-1][0] else None
@@ -122,6 +130,24 @@ def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 def _has(manifest: Manifest, pid: str) -> bool:
     return any(p.id == pid for p in manifest.probes)
+
+
+def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tuple[list, list]:
+    """The performance probes of a comparison, measured side by side: one probe at a time (no other
+    probe shares the machine with a timing), its candidate and baseline runs back to back, the side
+    that goes first alternating from probe to probe.  A pair comes from the cache only whole: a fresh
+    candidate is never held against a baseline timed in another run."""
+    cand: list[ProbeResult] = []
+    base: list[ProbeResult] = []
+    for i, spec in enumerate(group):
+        b_spec = base_runner.manifest.probe(spec.id) if _has(base_runner.manifest, spec.id) else None
+        fresh = not (runner.is_cached(spec) and (b_spec is None or base_runner.is_cached(b_spec)))
+        sides = [("candidate", runner, spec, cand), ("baseline", base_runner, b_spec, base)]
+        for side, r, s, out in (sides if i % 2 == 0 else sides[::-1]):
+            if s is not None:
+                out += r.run([s], on_done=(lambda res, side=side: on_result(side, res)) if on_result else None,
+                             fresh=fresh)
+    return cand, base
 
 
 def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:

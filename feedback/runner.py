@@ -211,11 +211,13 @@ class Runner:
         env.update(self.extra_env)
         return env
 
-    def run(self, specs: list[ProbeSpec], on_done: Callable[[ProbeResult], None] | None = None) -> list[ProbeResult]:
-        """Run probes (up to ``jobs`` at once); results in the order of ``specs``."""
+    def run(self, specs: list[ProbeSpec], on_done: Callable[[ProbeResult], None] | None = None,
+            fresh: bool = False) -> list[ProbeResult]:
+        """Run probes (up to ``jobs`` at once); results in the order of ``specs``.  ``fresh``: measure
+        them again even where the cache holds a result (which is then replaced)."""
         results: dict[str, ProbeResult] = {}
         with cf.ThreadPoolExecutor(max_workers=self.jobs) as pool:
-            futures = {pool.submit(self.run_one, s): s for s in specs}
+            futures = {pool.submit(self.run_one, s, fresh): s for s in specs}
             try:
                 for fut in cf.as_completed(futures):
                     spec = futures[fut]
@@ -235,7 +237,10 @@ class Runner:
                 raise
         return [results[s.id] for s in specs]
 
-    def run_one(self, spec: ProbeSpec) -> ProbeResult:
+    def is_cached(self, spec: ProbeSpec) -> bool:
+        return self.use_cache and self._cache_get(self.cache_key(spec)) is not None
+
+    def run_one(self, spec: ProbeSpec, fresh: bool = False) -> ProbeResult:
         """Run a probe (``repeats`` times for the performance kinds), or serve it from the cache.
 
         Cached: what the probe itself reported, failures and its own exceptions included (the same
@@ -243,7 +248,7 @@ class Runner:
         and failures of the harness or the machine.
         """
         key = self.cache_key(spec) if self.use_cache else None
-        if key and (hit := self._cache_get(key)):
+        if key and not fresh and (hit := self._cache_get(key)):
             return hit
         result, reported = self.executor.run(self, spec) if self.executor is not None else self.execute(spec)
         result = apply_thresholds(spec, result)

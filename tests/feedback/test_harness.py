@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -110,3 +111,62 @@ def test_a_candidate_judged_by_other_judges_than_its_baseline_is_incorrect_where
     # two revisions compared by a person (feedback --changed-from): a changed probe is allowed there
     revisions = judge(lenient, baseline_tree=base, run_all=True, use_cache=False)
     assert revisions.judges_changed == [] and revisions.verdict.name != "incorrect"
+
+
+_PAIR_PROBES = '''
+import json, os, time
+from feedback.probe import probe
+
+
+@probe(kind="microbench")
+def bench(ctx):
+    t0 = time.time()
+    time.sleep(0.15)
+    with open(ctx.params["log"], "a") as f:
+        f.write(json.dumps({"probe": ctx.probe_id, "tree": os.path.basename(os.getcwd()), "t0": t0,
+                            "t1": time.time()}) + "\\n")
+    ctx.metric("t_us", 100.0 + (1.0 if "cand" in os.getcwd() else 0.0), unit="us", better="lower")
+
+
+@probe(kind="correctness")
+def check(ctx):
+    ctx.metric("ok", 1.0)
+'''
+
+
+def _pair_tree(root: pathlib.Path, log: pathlib.Path) -> pathlib.Path:
+    (root / "pp").mkdir(parents=True)
+    (root / "pp" / "__init__.py").write_text("")
+    (root / "pp" / "probes.py").write_text(_PAIR_PROBES)
+    (root / "pp" / "code.py").write_text("X = 1\n")
+    probes = "\n".join(f"  - {{id: b{i}, kind: microbench, entry: 'pp.probes:bench', repeats: 2, "
+                       f"params: {{log: '{log}'}}, covers: {{files: ['pp/code.py']}}}}" for i in range(3))
+    (root / "infra-agent.yaml").write_text("schema_version: 1\nname: pairs\nprobes:\n" + probes + "\n"
+                                           "  - {id: c0, kind: correctness, entry: 'pp.probes:check', "
+                                           "covers: {files: ['pp/code.py']}}\n")
+    return root
+
+
+def test_timings_of_a_comparison_run_alone_side_by_side_and_never_against_a_stale_baseline(tmp_path):
+    """Microbenchmarks with a baseline: one probe at a time on the machine (jobs=4 notwithstanding), each
+    probe's candidate and baseline back to back, the side going first alternating; and a candidate is
+    re-timed with its baseline when the cache holds only one of the two."""
+    log = tmp_path / "runs.jsonl"
+    base = _pair_tree(tmp_path / "base", log)
+    cand = _pair_tree(tmp_path / "cand", log)
+    (cand / "pp" / "code.py").write_text("X = 2\n")
+    cache = tmp_path / "cache"
+    judge(cand, changed=["pp/code.py"], jobs=4, cache_dir=cache)  # the candidate alone: its results cached
+    log.write_text("")
+    report = judge(cand, changed=["pp/code.py"], baseline_tree=base, jobs=4, cache_dir=cache)
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    spans = sorted((r["t0"], r["t1"]) for r in runs)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two timings overlapped"
+    order = [(r["probe"], r["tree"]) for r in sorted(runs, key=lambda r: r["t0"])]
+    assert order == [("b0", "cand")] * 2 + [("b0", "base")] * 2 + [("b1", "base")] * 2 + [("b1", "cand")] * 2 \
+        + [("b2", "cand")] * 2 + [("b2", "base")] * 2
+    timed = [r for r in report.results if r.probe.startswith("b")]
+    assert len(timed) == 3 and not any(r.cached for r in timed)  # cached alone, re-timed beside its baseline
+    assert next(r for r in report.results if r.probe == "c0").cached  # a correctness probe keeps its cache
+    again = judge(cand, changed=["pp/code.py"], baseline_tree=base, jobs=4, cache_dir=cache)
+    assert all(r.cached for r in again.results + again.baseline_results)  # a whole pair: from the cache
