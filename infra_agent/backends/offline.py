@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from infra_agent.agent import AgentState
 from infra_agent.tools import Action
-from playbooks.model import Playbook, evaluate, load_library, run_transform
+from playbooks.model import Applicability, Playbook, evaluate, load_library, run_transform
 
 
 class OfflineBackend:
@@ -34,7 +34,7 @@ class OfflineBackend:
             return None
         return {p.id: list(p.covers.files) for p in manifest.probes}
 
-    def _ranked(self, state: AgentState, tried: set[str]) -> list[tuple[Playbook, object]]:
+    def _ranked(self, state: AgentState, tried: set[str]) -> list[tuple[Playbook, Applicability]]:
         """Every untried playbook evaluated: those fixing a failing probe first, then the library's order."""
         covers = self._covers()
         apps = [(pb, evaluate(pb, state.feedback, state.tree, covers)) for pb in self.library.values()
