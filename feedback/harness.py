@@ -141,12 +141,21 @@ def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tupl
     base: list[ProbeResult] = []
     for i, spec in enumerate(group):
         b_spec = base_runner.manifest.probe(spec.id) if _has(base_runner.manifest, spec.id) else None
-        fresh = not (runner.is_cached(spec) and (b_spec is None or base_runner.is_cached(b_spec)))
         sides = [("candidate", runner, spec, cand), ("baseline", base_runner, b_spec, base)]
-        for side, r, s, out in (sides if i % 2 == 0 else sides[::-1]):
-            if s is not None:
+        if i % 2:
+            sides.reverse()
+        hits = [r.cached(s) if s is not None else None for _, r, s, _ in sides]
+        whole = all(h is not None for h, (_, _, s, _) in zip(hits, sides) if s is not None)
+        for (side, r, s, out), hit in zip(sides, hits):
+            if s is None:
+                continue
+            if whole:
+                out.append(hit)
+                if on_result:
+                    on_result(side, hit)
+            else:
                 out += r.run([s], on_done=(lambda res, side=side: on_result(side, res)) if on_result else None,
-                             fresh=fresh)
+                             fresh=True)
     return cand, base
 
 

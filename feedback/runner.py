@@ -237,8 +237,9 @@ class Runner:
                 raise
         return [results[s.id] for s in specs]
 
-    def is_cached(self, spec: ProbeSpec) -> bool:
-        return self.use_cache and self._cache_get(self.cache_key(spec)) is not None
+    def cached(self, spec: ProbeSpec) -> ProbeResult | None:
+        """The cache's result for ``spec``, if it holds one."""
+        return self._cache_get(self.cache_key(spec)) if self.use_cache else None
 
     def run_one(self, spec: ProbeSpec, fresh: bool = False) -> ProbeResult:
         """Run a probe (``repeats`` times for the performance kinds), or serve it from the cache.
