@@ -260,14 +260,18 @@ def _scope(probes: list[str], report: FeedbackReport, covers: dict[str, list[str
     scope: set[str] = set()
     for p in probes:
         mine = set(covers.get(p, ()))
-        r = by_id.get(p)
-        if r is not None:
-            mine |= {part.strip() for f in r.findings if f.location.file for part in f.location.file.split(",")
-                     if part.strip()}
+        if (r := by_id.get(p)) is not None:
+            mine |= _finding_files(r)
         if not mine:
             return None
         scope |= mine
     return scope
+
+
+def _finding_files(result) -> set[str]:
+    """The files a probe result's findings name (a location may list several, comma-separated)."""
+    return {part.strip() for f in result.findings if f.location.file for part in f.location.file.split(",")
+            if part.strip()}
 
 
 def _in(path: str, globs: set[str]) -> bool:
@@ -279,8 +283,7 @@ def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[Cod
 
     A pattern such as "a dot without a precision" matches all over a large repository; the feedback
     says which file is at fault, and the change belongs there."""
-    pointed = {part.strip() for r in report.results if r.status.value == "fail" for f in r.findings
-               if f.location.file for part in f.location.file.split(",") if part.strip()}
+    pointed = {path for r in report.results if r.status.value == "fail" for path in _finding_files(r)}
     if not pointed:
         return matches
     near = [m for m in matches if any(fnmatch.fnmatchcase(m.file, pat) for pat in pointed)]
