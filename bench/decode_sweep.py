@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     import torch
+    import triton
 
     if not torch.cuda.is_available():
         print("decode_sweep: needs a GPU (kernel times under the interpreter mean nothing)", file=sys.stderr)
@@ -106,7 +107,7 @@ def main() -> int:
 
         def launcher(mod, bv, warps, s, warmup=False):
             kern = mod._kda_fused_recurrent_kernel
-            grid = (triton_cdiv(V, bv), batch, H)
+            grid = (triton.cdiv(V, bv), batch, H)
             a = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["o"], s["pool"], s["pool"], s["slots"], K**-0.5, 1)
             kw = dict(H=H, K=K, V=V, BK=K, BV=bv, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True,
                       L2NORM_QK=True, BETA_SIGMOID=False, num_warps=warps)
@@ -198,10 +199,6 @@ def write(out: str, torch, copy_bw: float, rows: list[dict]) -> None:
     (path / "decode_sweep.json").write_text(json.dumps(dict(
         date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), device=torch.cuda.get_device_name(0),
         torch=torch.__version__, copy_TBps=copy_bw / 1e12, rows=rows), indent=1))
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":
