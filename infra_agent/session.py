@@ -44,6 +44,10 @@ def make_backend(kind: str | None, workspace, *, model: str | None = None, base_
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {kind!r}")
 
 
+def _probe_line(side: str, r) -> str:
+    return f"{side} {r.probe}: {r.status.value} ({r.duration_s:.1f} s{', cached' if r.cached else ''})"
+
+
 def print_progress(stream=None):
     """The session's progress as plain lines on stderr (``run --json``, whose stdout is the summary): what
     is judged, each probe as it ends, each step and verdict; a run cut short still says how far it got."""
@@ -61,9 +65,8 @@ def print_progress(stream=None):
             judged["what"] = data["what"]
             line(f"judging {data['what']}" + (f" ({', '.join(data['files'])})" if data.get("files") else ""))
         elif kind == "probe":
-            r, side = data["result"], data["side"]
-            side = judged["what"] if side == "candidate" else side
-            line(f"  {side} {r.probe}: {r.status.value} ({r.duration_s:.1f} s{', cached' if r.cached else ''})")
+            side = judged["what"] if data["side"] == "candidate" else data["side"]
+            line("  " + _probe_line(side, data["result"]))
         elif kind == "action":
             line(f"step {data['step']} {data['name']}"
                  + (f" {data['args']['playbook_id']}" if data["args"].get("playbook_id") else ""))
@@ -82,9 +85,7 @@ def print_event(console: Console):
     def on_event(kind: str, data: dict) -> None:
         if kind == "probe":
             if not console.is_terminal:
-                r = data["result"]
-                console.print(f"[dim]  {data['side']} {r.probe}: {r.status.value} ({r.duration_s:.1f} s"
-                              f"{', cached' if r.cached else ''})[/]", highlight=False)
+                console.print(f"[dim]  {_probe_line(data['side'], data['result'])}[/]", highlight=False)
         elif kind == "judging":
             what = data["what"]
             files = f" ({', '.join(data['files'])})" if data.get("files") else ""
