@@ -6,10 +6,12 @@ Three versions of ``target_stack/ops/kda/fused_recurrent.py`` are built in a scr
 scenario's start (the clean file with ``kda-decode-tiles.patch``), the fix the offline backend
 proposes (the start with the executable transforms of the two playbooks it applies,
 ``fuse-v-tiles`` and ``reciprocal-rsqrt``) and the clean file.  Each is loaded as its own module and
-timed on one pooled decode step (H=32, K=V=128, fp32 state pool, bf16 q/k/v, q/k normalised in
-the kernel) at batch 1, 16, 64 and 256: kernel time from CUDA-graph replays over input sets larger
-than L2, rounds interleaved so the versions share the machine's state, state bandwidth against a
-device copy measured in the same run, outputs and states against float64.  Then the clean tree is
+timed on one pooled decode step (H=32, K=V=128, fp32 state pool, bf16 q/k/v) with its per-key
+input work in the kernel, as fla's fused decode call can do it (the q/k L2 norms and the gate
+activation from the raw gate input, A_log and dt_bias) at batch 1, 16, 64 and 256:
+kernel time from CUDA-graph replays over input sets larger than L2, rounds interleaved so the
+versions share the machine's state, state bandwidth against a device copy measured in the same run,
+outputs and states against float64.  Then the clean tree is
 judged by the harness (``kda.decode.bench``, ``kda.decode.work``) and the tile-fusion playbook is
 evaluated on it: it must decline, citing the roofline.  Prints a table; writes decode_tiles.json.
 """
@@ -75,11 +77,14 @@ def measure(versions: dict[str, pathlib.Path]) -> tuple[list[dict], float]:
     import torch
 
     import target_stack.ops  # noqa: F401
+    from feedback.correctness import fresh_generator
     from target_stack.bench.timing import copy_bandwidth, graph_time, rotations
-    from target_stack.ops.kda import naive_recurrent_kda
+    from target_stack.ops.kda import kda_gate, naive_recurrent_kda
     from target_stack.ops.kda.testing import make_inputs, rel_err
+    from target_stack.probes.kda import raw_gate
 
     mods = {name: load(name, path) for name, path in versions.items()}
+    gen = fresh_generator(device="cuda")
     copy_bw = copy_bandwidth()
     rows = []
     for batch in BATCHES:
@@ -88,15 +93,18 @@ def measure(versions: dict[str, pathlib.Path]) -> tuple[list[dict], float]:
         n_sets = rotations(state_bytes, cap=128)
         sets = []
         for _ in range(n_sets):
-            q, k, v, g, beta = make_inputs(batch, 1, H, K, V, dtype=torch.bfloat16, device="cuda", decay_shift=3.0)
+            q, k, v, _, _ = make_inputs(batch, 1, H, K, V, dtype=torch.bfloat16, device="cuda")
             q, k = (3 * torch.randn_like(t) for t in (q, k))  # raw: the kernel normalises them
+            raw, a_log, dt_bias = raw_gate(batch, 1, H, K, gen)  # the kernel computes the decay
             pool = torch.randn(batch + 1, H, K, V, device="cuda") * 0.1
             slots = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda")
-            sets.append(dict(q=q, k=k, v=v, g=g.float(), beta=beta.float(), pool=pool, slots=slots))
+            sets.append(dict(q=q, k=k, v=v, g=raw, beta=torch.rand(batch, 1, H, device="cuda"), pool=pool,
+                             slots=slots, a_log=a_log, dt_bias=dt_bias))
 
         def call(mod, s):
             return lambda: mod.fused_recurrent_kda(s["q"], s["k"], s["v"], s["g"], s["beta"], initial_state=s["pool"],
-                                                   ssm_state_indices=s["slots"], use_qk_l2norm_in_kernel=True)
+                                                   ssm_state_indices=s["slots"], A_log=s["a_log"], dt_bias=s["dt_bias"],
+                                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
 
         s0 = sets[0]
         errs = {}
@@ -105,7 +113,8 @@ def measure(versions: dict[str, pathlib.Path]) -> tuple[list[dict], float]:
             check["pool"] = s0["pool"].clone()
             check["pool"][0] = float("nan")
             qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (check["q"], check["k"]))
-            ro, rs = naive_recurrent_kda(qn, kn, check["v"].double(), check["g"].double(), check["beta"].double(),
+            g64 = kda_gate(check["g"].double(), check["a_log"], check["dt_bias"])
+            ro, rs = naive_recurrent_kda(qn, kn, check["v"].double(), g64, check["beta"].double(),
                                          initial_state=check["pool"][1:].double(), output_final_state=True)
             o, _ = call(mod, check)()
             errs[name] = (rel_err(o, ro), rel_err(check["pool"][1:], rs))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda
+from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_chunk_kda, naive_recurrent_kda
 from target_stack.ops.kda.decode_inputs import CONV, kda_decode_inputs
 from target_stack.ops.norm import rms_norm
 
@@ -78,8 +78,7 @@ class KDALayer(torch.nn.Module):
         q = F.normalize(q.reshape(B, T, H, K), dim=-1)
         k = F.normalize(k.reshape(B, T, H, K), dim=-1)
         v = v.reshape(B, T, H, V)
-        f = F.linear(x, self.w_f).reshape(B, T, H, K) + self.dt_bias.reshape(H, K)
-        gate = -self.A_log.exp()[None, None, :, None] * F.softplus(f)
+        gate = kda_gate(F.linear(x, self.w_f).reshape(B, T, H, K), self.A_log, self.dt_bias)
         beta = torch.sigmoid(F.linear(x, self.w_b))
         return (q, k, v, gate, beta), full  # full[:, i] is the convolution input of position i - (CONV - 1)
 

@@ -13,7 +13,7 @@ import torch
 import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import compare_sweep, error_growth, fresh_generator, partitioned_vs_whole, rel_err
 from feedback.probe import ProbeContext, probe
-from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
+from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, kda_gate, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import resolve_dot_precision, set_poison
 from target_stack.probes.reference import finite, isolated
@@ -36,7 +36,8 @@ def _case_inputs(case: dict, gen: torch.Generator):
     ``seqlens``: one packed varlen batch (``cu_seqlens``) of these lengths; ``g``: "zero" (no decay)
     or "saturated" (the state forgets everything each token); ``beta``: "low" (~0) or "high" (~1);
     ``l2norm``: raw q, k that the kernel normalises; ``beta_sigmoid``: beta logits the kernel squashes;
-    ``h0``: an initial state per sequence.
+    ``h0``: an initial state per sequence; ``gate_in_kernel``: g is the raw gate input, and ``A_log`` and
+    ``dt_bias`` follow h0 in the inputs (the kernel computes the decay, the reference ``kda_gate``).
     """
     dev = gen.device
     lengths = case.get("seqlens")
@@ -58,7 +59,21 @@ def _case_inputs(case: dict, gen: torch.Generator):
         beta = 3 * torch.randn(B, T, H, generator=gen, device=dev)
     n = len(lengths) if lengths else B
     h0 = torch.randn(n, H, K, V, generator=gen, device=dev) if case.get("h0") else None
+    if case.get("gate_in_kernel"):
+        raw, a_log, dt_bias = raw_gate(B, T, H, K, gen)
+        return q, k, v, raw, beta, h0, a_log, dt_bias
     return q, k, v, g, beta, h0
+
+
+def raw_gate(B: int, T: int, H: int, K: int, gen: torch.Generator):
+    """(raw gate input ``[B, T, H, K]``, A_log ``[H]``, dt_bias ``[H * K]``) on the generator's device, drawn
+    so that the decay spans slow to fast and some inputs take softplus's linear branch (above 20)."""
+    dev = gen.device
+    raw = 3 * torch.randn(B, T, H, K, generator=gen, device=dev)
+    raw.view(-1)[:: 97] += 25.0
+    a_log = 0.3 * torch.randn(H, generator=gen, device=dev) - 1.0
+    dt_bias = torch.randn(H * K, generator=gen, device=dev) - 1.0
+    return raw, a_log, dt_bias
 
 
 def _case_kernel(fn, case: dict):
@@ -71,8 +86,10 @@ def _case_kernel(fn, case: dict):
     if case.get("beta_sigmoid"):
         kw["use_beta_sigmoid_in_kernel"] = True
 
-    def call(q, k, v, g, beta, h0):
+    def call(q, k, v, g, beta, h0, *gate):
         extra = {n: t.to(q.device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        if gate:
+            extra.update(A_log=gate[0], dt_bias=gate[1], use_gate_in_kernel=True)
         return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **extra)
 
     return call
@@ -81,8 +98,10 @@ def _case_kernel(fn, case: dict):
 def _case_ref(case: dict):
     """The float64 reference of a case: normalisation and sigmoid as the flags say, sequence by sequence."""
 
-    def run(q, k, v, g, beta, h0):
+    def run(q, k, v, g, beta, h0, *gate):
         q, k, beta = q.double(), k.double(), beta.double()
+        if gate:
+            g = kda_gate(g.double(), *gate)
         if case.get("l2norm"):
             q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
         if case.get("beta_sigmoid"):
@@ -187,6 +206,49 @@ def cp_merge_error_growth(ctx: ProbeContext) -> None:
     ctx.check(max(errs) < tol, f"rel. error {max(errs):.1e} at P={sizes[errs.index(max(errs))]} > {tol:g}", **where)
 
 
+def _step_inputs(c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator, dtype=torch.float32):
+    """One decode step's inputs ``(q, k, v, g, beta, A_log, dt_bias)`` and the call's flags, as the probe's
+    params say what the kernel does itself: ``l2norm`` (raw q, k), ``beta_sigmoid`` (beta logits),
+    ``gate_in_kernel`` (a raw gate input; A_log and dt_bias are None otherwise)."""
+    dev = gen.device
+    q, k, v, g, beta = make_inputs(N, 1, H, K, V, generator=gen, device=dev)
+    flags = dict(use_qk_l2norm_in_kernel=bool(c.get("l2norm")), use_beta_sigmoid_in_kernel=bool(c.get("beta_sigmoid")),
+                 use_gate_in_kernel=bool(c.get("gate_in_kernel")))
+    if flags["use_qk_l2norm_in_kernel"]:
+        q, k = (3 * torch.randn(N, 1, H, K, generator=gen, device=dev) for _ in range(2))
+    if flags["use_beta_sigmoid_in_kernel"]:
+        beta = 3 * torch.randn(N, 1, H, generator=gen, device=dev)
+    a_log = dt_bias = None
+    if flags["use_gate_in_kernel"]:
+        g, a_log, dt_bias = raw_gate(N, 1, H, K, gen)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return (q, k, v, g, beta, a_log, dt_bias), flags
+
+
+def _step_call(x: tuple, flags: dict, pool: torch.Tensor, slots: torch.Tensor):
+    q, k, v, g, beta, a_log, dt_bias = x
+    return fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, A_log=a_log,
+                               dt_bias=dt_bias, **flags)
+
+
+def _step_ref(x: tuple, flags: dict, h0: torch.Tensor):
+    """The float64 reference of one decode step from its kernel inputs (what the kernel does itself done here)."""
+    q, k, v, g, beta, a_log, dt_bias = (None if t is None else t.double() for t in x)
+    if flags["use_qk_l2norm_in_kernel"]:
+        q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
+    if flags["use_beta_sigmoid_in_kernel"]:
+        beta = torch.sigmoid(beta)
+    if flags["use_gate_in_kernel"]:
+        g = kda_gate(g, a_log, dt_bias)
+    return _ref(q, k, v, g, beta, h0)
+
+
+def _step_condition(flags: dict) -> str:
+    done = [name for name, key in (("q/k normalisation", "use_qk_l2norm_in_kernel"), ("gate", "use_gate_in_kernel"),
+                                   ("beta sigmoid", "use_beta_sigmoid_in_kernel")) if flags[key]]
+    return f"in the kernel: {', '.join(done)}" if done else "inputs prepared outside the kernel"
+
+
 @probe(kind="trace")
 def decode_work(ctx: ProbeContext) -> None:
     """What one pooled decode step does, counted under Triton's interpreter (feedback/workcount.py):
@@ -199,23 +261,18 @@ def decode_work(ctx: ProbeContext) -> None:
     c = ctx.params
     N, H, K, V = c["batch"], c["H"], c["K"], c["V"]
     gen = fresh_generator(device=ctx.device)
-    q, k, v, g, beta = make_inputs(N, 1, H, K, V, generator=gen, device=ctx.device)
-    l2norm = bool(c.get("l2norm", True))
-    if l2norm:
-        q, k = (3 * torch.randn(N, 1, H, K, generator=gen, device=ctx.device) for _ in range(2))
+    x, flags = _step_inputs(dict(c, l2norm=c.get("l2norm", True)), N, H, K, V, gen)
+    q, k, v, g, beta = x[:5]
     pool = torch.randn(N + 1, H, K, V, generator=gen, device=ctx.device)
     pool[0] = float("nan")  # the null slot: never read
     slots = torch.arange(1, N + 1, dtype=torch.int32, device=ctx.device)
     before = pool[1:].clone()
     with WorkCount(q=q, k=k, v=v, g=g, beta=beta, state=pool[1:]) as wc:
-        o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots,
-                                   use_qk_l2norm_in_kernel=l2norm)
-    qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k)) if l2norm else (q, k)
-    ro, rs = _ref(qn, kn, v, g, beta, before)
+        o, _ = _step_call(x, flags, pool, slots)
+    ro, rs = _step_ref(x, flags, before)
     err = max(rel_err(o, ro), rel_err(pool[1:], rs))
     ctx.metric("max_rel_err", finite(err), better="lower")
-    cond = (f"one pooled decode step, N={N}, H={H}, K={K}, V={V}, "
-            f"in-kernel q/k normalisation {'on' if l2norm else 'off'}")
+    cond = f"one pooled decode step, N={N}, H={H}, K={K}, V={V}, {_step_condition(flags)}"
     kernel = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=cond)
     ctx.check(err < float(c.get("tolerance", 1e-5)), f"the counted step's outputs are wrong (rel. error {err:.1e})",
               **kernel)
@@ -274,21 +331,24 @@ def _decode_bench(ctx: ProbeContext) -> None:
     c = ctx.params
     H, K, V, B = c["H"], c["K"], c["V"], c["batch"]
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
+    gen = fresh_generator(device="cuda")
+    flags = _step_inputs(c, 1, 1, K, V, gen)[1]
 
     def make(i: int):  # fresh inputs and a fresh state pool for every timed step
-        return (*make_inputs(B, 1, H, K, V, dtype=torch.bfloat16, device="cuda"),
-                torch.randn(B + 1, H, K, V, device="cuda") * 0.1)
+        x, _ = _step_inputs(c, B, H, K, V, gen, dtype=torch.bfloat16)
+        return (*x, torch.randn(B + 1, H, K, V, generator=gen, device="cuda") * 0.1)
 
     def step(*x):
-        return fused_recurrent_kda(*x[:-1], initial_state=x[-1], ssm_state_indices=slots)
+        return _step_call(x[:-1], flags, x[-1], slots)
 
     def check(before, after, out) -> float:
-        ro, rs = _ref(*before[:-1], before[-1][1:])
+        ro, rs = _step_ref(before[:-1], flags, before[-1][1:])
         # the state is fp32, the output bf16: the output's bound is 30x the state's
         return max(rel_err(after[-1][1:], rs), rel_err(out[0], ro) / 30)
 
     state_bytes = 2 * B * H * K * V * 4
-    where = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=f"batch {B}")
+    where = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel",
+                 condition=f"batch {B}, {_step_condition(flags)}")
     t = ctx.timed("step", make=make, call=step, check=check, tol=1e-3, bytes_moved=state_bytes, **where)
     state_bw = state_bytes / t.median_s
     ctx.metric("state_TBps", state_bw / 1e12, unit="TB/s", better="higher")

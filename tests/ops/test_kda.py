@@ -12,6 +12,7 @@ from target_stack.ops.kda import (
     chunk_kda,
     chunk_kda_cp,
     fused_recurrent_kda,
+    kda_gate,
     naive_chunk_kda,
     naive_recurrent_kda,
 )
@@ -142,6 +143,37 @@ def test_fused_recurrent_in_kernel_l2norm_and_beta_sigmoid(gen):
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
+@pytest.mark.parametrize("bias", ["flat", "per_head", None])
+def test_fused_recurrent_in_kernel_gate_is_fla_s_activation(bias, gen):
+    """g raw, A_log and dt_bias given: the kernel's log decay is -exp(A_log) * softplus(g + dt_bias), both
+    branches of the softplus (inputs above its threshold of 20 among them), pooled and not."""
+    N, T, H, K, V = 3, 2, 2, 32, 16
+    q, k, v, _, beta = make_inputs(N, T, H, K, V, generator=gen, device=DEVICE)
+    raw = 4 * torch.randn(N, T, H, K, generator=gen).to(DEVICE)
+    raw[0, 0, 0, :4] = 25.0 + torch.rand(4, generator=gen).to(DEVICE)  # softplus(x) = x there
+    a_log = (0.3 * torch.randn(H, generator=gen) - 1.0).to(DEVICE)
+    dt_bias = None if bias is None else torch.randn(H * K, generator=gen).to(DEVICE)
+    if bias == "per_head":
+        dt_bias = dt_bias.reshape(H, K)
+    h0 = torch.randn(N, H, K, V, generator=gen).to(DEVICE)
+    o, s = fused_recurrent_kda(q, k, v, raw, beta, initial_state=h0, output_final_state=True,
+                               A_log=a_log, dt_bias=dt_bias, use_gate_in_kernel=True)
+    ro, rs = ref64(q, k, v, kda_gate(raw.double(), a_log, dt_bias), beta, h0=h0)
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
+    # the same step on a state pool (the decode path), with a padded row on the null slot
+    pool = torch.cat([torch.full((1, H, K, V), float("nan"), device=DEVICE), h0])
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    o1, _ = fused_recurrent_kda(*(t[:, :1] for t in (q, k, v, raw, beta)), initial_state=pool,
+                                ssm_state_indices=slots, A_log=a_log, dt_bias=dt_bias, use_gate_in_kernel=True)
+    g64 = kda_gate(raw[:, :1].double(), a_log, dt_bias)
+    for row, h in ((0, h0[1:2]), (1, None), (2, h0[0:1])):
+        ro1, rs1 = ref64(*(t[row:row + 1, :1] for t in (q, k, v)), g64[row:row + 1], beta[row:row + 1, :1], h0=h)
+        assert rel_err(o1[row:row + 1], ro1) < TOL
+        if h is not None:
+            assert rel_err(pool[slots[row]:slots[row] + 1], rs1) < TOL
+    assert pool[0].isnan().all()
+
+
 def test_fused_recurrent_pool_updates_slots_in_place_and_never_writes_null_slot(gen):
     H, K, V = 2, 32, 16
     pool = torch.randn(6, H, K, V, generator=gen).to(DEVICE)
@@ -257,6 +289,11 @@ def _bad_calls():
         ("num_partitions", lambda: chunk_kda_cp(q, k, v, g, beta, 9)),
         ("merge_precision", lambda: chunk_kda_cp(q, k, v, g, beta, 2, merge_precision="fp16")),
         ("cu_seqlens", lambda: chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 3, 2, 8]))),
+        ("A_log", lambda: fused_recurrent_kda(q, k, v, g, beta, use_gate_in_kernel=True)),
+        ("A_log", lambda: fused_recurrent_kda(q, k, v, g, beta, A_log=torch.zeros(3), use_gate_in_kernel=True)),
+        ("dt_bias", lambda: fused_recurrent_kda(q, k, v, g, beta, A_log=torch.zeros(2), dt_bias=torch.zeros(16),
+                                                use_gate_in_kernel=True)),
+        ("use_gate_in_kernel", lambda: fused_recurrent_kda(q, k, v, g, beta, A_log=torch.zeros(2))),
         ("ssm_state_indices", lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=torch.zeros(3, 2, 16, 16),
                                                           ssm_state_indices=torch.tensor([1, 2]))),
     ]

@@ -7,6 +7,6 @@ g ``[B, T, H, K]`` (log decay), beta ``[B, T, H]``, states ``[N, H, K, V]`` in f
 from target_stack.ops.kda.chunk import chunk_kda
 from target_stack.ops.kda.cp import chunk_kda_cp
 from target_stack.ops.kda.fused_recurrent import fused_recurrent_kda
-from target_stack.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+from target_stack.ops.kda.naive import kda_gate, naive_chunk_kda, naive_recurrent_kda
 
-__all__ = ["chunk_kda", "chunk_kda_cp", "fused_recurrent_kda", "naive_chunk_kda", "naive_recurrent_kda"]
+__all__ = ["chunk_kda", "chunk_kda_cp", "fused_recurrent_kda", "kda_gate", "naive_chunk_kda", "naive_recurrent_kda"]

@@ -21,6 +21,14 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def kda_gate(raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """KDA's log decay from the raw gate input ``[..., H, K]``: ``-exp(A_log[h]) * softplus(raw + dt_bias[h, :])``,
+    in ``raw``'s dtype (float64 for a reference).  ``A_log`` is ``[H]``, ``dt_bias`` ``[H * K]`` or ``[H, K]``."""
+    H, K = raw.shape[-2:]
+    x = raw if dt_bias is None else raw + dt_bias.to(raw.dtype).reshape(H, K)
+    return -A_log.to(raw.dtype).exp()[:, None] * torch.nn.functional.softplus(x)
+
+
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
