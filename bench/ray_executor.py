@@ -4,10 +4,11 @@
 
 A synthetic target of N probes, each a real process doing ``--work`` seconds of torch matmuls
 (fresh inputs), is judged without the cache by the local runner with ``jobs`` = W and by a local
-Ray instance with W CPU workers, for each W; then one probe alone, local against Ray (the latency a
-single verdict pays).  Where there is a GPU, ``--gpu-probes`` probes that declare ``needs_gpu`` too
-(each gets the GPU through Ray's ``num_gpus=1``; each must report its work ran there).  One table,
-also written as JSON.
+Ray instance with W CPU workers, for each W: the instance's first judgement (its workers start and
+import the harness) and a second one on the same warm workers, timed apart; then one probe alone,
+local against Ray (the latency a single verdict pays).  Where there is a GPU, ``--gpu-probes``
+probes that declare ``needs_gpu`` too (each gets the GPU through Ray's ``num_gpus=1``; each must
+report its work ran there).  One table, also written as JSON.
 """
 
 from __future__ import annotations
@@ -86,27 +87,35 @@ def main() -> int:
             local = Runner(tree, manifest, jobs=w, use_cache=False, cache_dir=f"{tmp}/c").run(manifest.probes)
             t_local = time.perf_counter() - t0
             with RayExecutor(num_cpus=w) as ex:
+                # the first judgement on a fresh instance starts its W worker processes (each imports the
+                # harness) and ships the tree: timed apart, then the same probes again on the warm workers
                 t0 = time.perf_counter()
                 remote = Runner(tree, manifest, jobs=args.probes, use_cache=False, cache_dir=f"{tmp}/c",
                                 executor=ex).run(manifest.probes)
+                t_cold = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                warm = Runner(tree, manifest, jobs=args.probes, use_cache=False, cache_dir=f"{tmp}/c",
+                              executor=ex).run(manifest.probes)
                 t_ray = time.perf_counter() - t0
                 one = manifest.probes[:1]
                 lat_ray = [_timed(lambda: Runner(tree, manifest, use_cache=False, cache_dir=f"{tmp}/c",
                                                  executor=ex).run(one)) for _ in range(args.repeats)]
             lat_local = [_timed(lambda: Runner(tree, manifest, use_cache=False, cache_dir=f"{tmp}/c").run(
                 manifest.probes[:1])) for _ in range(args.repeats)]
-            same = [a.status for a in local] == [b.status for b in remote]
+            same = [a.status for a in local] == [b.status for b in remote] == [b.status for b in warm]
             rows.append(dict(workers=w, probes=args.probes, local_s=round(t_local, 2), ray_s=round(t_ray, 2),
-                             local_per_min=round(60 * args.probes / t_local, 1),
+                             ray_cold_s=round(t_cold, 2), local_per_min=round(60 * args.probes / t_local, 1),
                              ray_per_min=round(60 * args.probes / t_ray, 1),
+                             ray_cold_per_min=round(60 * args.probes / t_cold, 1),
                              one_probe_local_s=round(statistics.median(lat_local), 2),
                              one_probe_ray_s=round(statistics.median(lat_ray), 2), same_statuses=same))
     gpu_row = _gpu(args) if args.gpu_probes and _has_gpu() else None
     print(f"\nprobes of {args.work:g}s work each, {platform.node()} ({os.cpu_count()} CPUs)")
-    print(f"{'workers':>7} {'local /min':>10} {'ray /min':>9} {'one probe local':>16} {'one probe ray':>14} same")
+    print(f"{'workers':>7} {'local /min':>10} {'ray /min':>9} {'ray first /min':>15} {'one probe local':>16} "
+          f"{'one probe ray':>14} same")
     for r in rows:
-        print(f"{r['workers']:>7} {r['local_per_min']:>10} {r['ray_per_min']:>9} {r['one_probe_local_s']:>15}s "
-              f"{r['one_probe_ray_s']:>13}s {r['same_statuses']}")
+        print(f"{r['workers']:>7} {r['local_per_min']:>10} {r['ray_per_min']:>9} {r['ray_cold_per_min']:>15} "
+              f"{r['one_probe_local_s']:>15}s {r['one_probe_ray_s']:>13}s {r['same_statuses']}")
     if gpu_row:
         print(f"{gpu_row['probes']} GPU probes (needs_gpu, {gpu_row['device']}): local {gpu_row['local_per_min']}/min, "
               f"ray {gpu_row['ray_per_min']}/min; all on the GPU: {gpu_row['all_on_gpu']}; ran on {gpu_row['ran_on']}")

@@ -222,7 +222,10 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
             cond = (f"prompt of {len(out.prompt)} tokens" + (" after an image" if prefix is not None else "")
                     + f", positions {pos[0]}..{pos[-1]}")
             logits = torch.stack([g for _, g in got])
-            greedy = [int(t) for t, row in zip((chosen[q] for q in pos), logits) if row[t] != row.max()]
+            # the sampler's contract is the argmax of finite logits: a row with a NaN or an inf is the
+            # logits' failure (the comparison below names it), whatever token was drawn from it
+            greedy = [int(t) for t, row in zip((chosen[q] for q in pos), logits)
+                      if bool(torch.isfinite(row).all()) and row[t] != row.max()]
             rows.append((phase, cond, logits, want[pos], greedy, tokens, own[pos]))
     return rows, margin, model, engine.preemptions
 
