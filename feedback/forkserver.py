@@ -12,7 +12,8 @@ gets, so nothing changes for a verdict:
   fork) is not preloaded;
 * the environment at import time is the probe's own: there is one server per environment (less
   the variables that differ from probe to probe: the import path, the probe id, the harness pid and
-  the timing witness), so a variable read at import time (``TRITON_INTERPRET``) reads the same;
+  the timing witness; and those read only where they are used, ``TRITON_CACHE_DIR``), so a variable
+  read at import time (``TRITON_INTERPRET``) reads the same;
 * a probe with an address-space limit (``memory_mb``) runs cold: the limit is meant for a process image
   of the probe's own imports, and a fork carries the server's;
 * budgets, Ctrl-C and a harness killed outright kill the probe as before: the probe leads its own
@@ -62,6 +63,10 @@ from feedback.timing import WITNESS_FD
 PER_PROBE = frozenset({"PYTHONPATH", WITNESS_FD, HARNESS_PID, "INFRA_AGENT_PROBE_ID"})
 #: variables a shell changes between commands, which no library reads at import time
 VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})
+#: read where they are used, never at import (Triton looks its cache folder up when it compiles): a
+#: server is shared across them, and each probe still runs with its own value (the Ray executor gives
+#: every worker a Triton cache of its own, and its workers on a node then share one warm server)
+READ_AT_USE = frozenset({"TRITON_CACHE_DIR"})
 #: the heavy imports every probe of this project pays for; a tree's own copy of one is never preloaded
 PRELOAD = ("numpy", "torch", "triton", "triton.language")
 #: the harness's side of a probe process
@@ -119,7 +124,7 @@ def preload_for(tree_roots: list[str]) -> tuple[str, ...]:
 
 def server_key(env: dict[str, str], shared_path: list[str], preload: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    kept = sorted((k, v) for k, v in env.items() if k not in PER_PROBE | VOLATILE)
+    kept = sorted((k, v) for k, v in env.items() if k not in PER_PROBE | VOLATILE | READ_AT_USE)
     h.update(json.dumps([sys.executable, _harness_digest(), shared_path, list(preload), kept]).encode())
     return h.hexdigest()[:20]
 

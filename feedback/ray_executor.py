@@ -26,6 +26,9 @@ Python, torch and Triton.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import glob
 import hashlib
 import io
 import os
@@ -84,15 +87,27 @@ def where() -> str:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    device = "cpu"
+    return f"ray node {node[:12]} ({socket.gethostname()}, {device_model()})"
+
+
+@functools.cache
+def device_model() -> str:
+    """This node's GPU model (its first GPU), "cpu" where it has none.  From the NVIDIA driver's own
+    record where it is there: a worker that imported torch for this alone would pay seconds of import
+    and a CUDA initialisation on its first task, while the probe process imports torch anyway."""
+    for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
+        with contextlib.suppress(OSError):
+            for line in pathlib.Path(info).read_text().splitlines():
+                if line.startswith("Model:") and line.split(":", 1)[1].strip():
+                    return line.split(":", 1)[1].strip()
     try:
         import torch
 
         if torch.cuda.is_available():
-            device = torch.cuda.get_device_name(0)
+            return torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - no torch on this node: the CPU it is
         pass
-    return f"ray node {node[:12]} ({socket.gethostname()}, {device})"
+    return "cpu"
 
 
 def probe_task(digest: str, data: bytes, manifest: dict, roots: list[tuple[str, bytes]], spec: dict, emulate: bool,

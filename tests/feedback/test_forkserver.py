@@ -63,6 +63,13 @@ def check(ctx):
     ctx.metric("pid", float(os.getpid()))
     ctx.metric("draw", random.random() + float(numpy.random.rand()))
     ctx.metric("cwd_is_tree", float(pathlib.Path.cwd().resolve() == mine))
+    want = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        seen = triton.knobs.cache.dir
+    except AttributeError:  # a Triton before knobs
+        from triton.runtime.cache import default_cache_dir
+        seen = default_cache_dir()
+    ctx.metric("own_cache_dir", float(want is None or seen == want))
 '''
 
 
@@ -74,8 +81,8 @@ def _tree(root: pathlib.Path, scratch: pathlib.Path, name: str, add: float) -> p
     return root
 
 
-def _run(tree: pathlib.Path) -> dict[str, float]:
-    runner = Runner(tree, parse_manifest((tree / "infra-agent.yaml").read_text()), use_cache=False)
+def _run(tree: pathlib.Path, **env: str) -> dict[str, float]:
+    runner = Runner(tree, parse_manifest((tree / "infra-agent.yaml").read_text()), use_cache=False, extra_env=env)
     (res,) = runner.run(runner.manifest.probes)
     assert res.status == Status.passed, (res.reason, res.stderr[-2000:])
     return {k: m.value for k, m in res.metrics.items()}
@@ -101,6 +108,16 @@ def test_a_warm_probe_sees_no_module_global_or_kernel_of_the_tree_before_it(tmp_
     assert len({r["pid"] for r in runs}) == 4  # a process per probe
     assert len({r["draw"] for r in runs}) == 4  # each with random state of its own, as a cold process has
     assert len(forkserver.servers(home)) == 1  # all four from one server
+
+
+def test_probes_with_triton_caches_of_their_own_share_one_server_and_keep_their_caches(tmp_path, home):
+    """The Ray executor gives each worker a Triton cache of its own: a variable read only where it is used
+    does not split the servers, and each probe still runs with its own value."""
+    tree = _tree(tmp_path / "a", tmp_path, "a", 1.0)
+    for name in ("worker-1", "worker-2", "worker-1"):
+        r = _run(tree, TRITON_CACHE_DIR=str(tmp_path / name))
+        assert r["own_cache_dir"] == 1 and r["preloaded"] == 1 and r["added"] == pytest.approx(1.0)
+    assert len(forkserver.servers(home)) == 1
 
 
 def test_a_server_that_cannot_start_leaves_the_probes_cold_and_their_verdicts_unchanged(tmp_path, home,
