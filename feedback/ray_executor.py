@@ -10,8 +10,13 @@ stays with the driver, keyed by content as before, and only misses travel.
 * The tree travels by content: packed once per tree (a tar of its files, keyed by their hash), put
   in Ray's object store, unpacked once per node into ``$TMPDIR/infra-agent-ray/<hash>``.  A probe
   never sees another candidate's tree.
-* Performance probes (microbench, e2e) of one run are pinned to one node, so an A/B pair is timed on
-  the same device; every result is stamped with the node, host and device it ran on (``ran_on``).
+* Performance probes (microbench, e2e) of one run are pinned to the driver's node, and those that need
+  a GPU run in one placement-group bundle of one GPU held for the executor's life (the timing
+  bundle), so both sides of every A/B pair are timed on the same device even on a node of several
+  GPUs.  Where the cluster has no other GPU, the other GPU probes run in that bundle too (they would
+  wait for ever for another); a probe that needs every GPU of a node gets the bundle's back first.
+  Every result is stamped with the node, host and device it ran on (``ran_on``; the GPU's index
+  among the node's where Ray gave it one), and a run refuses to compare timings of two devices.
 * A worker or node that dies mid-probe: Ray retries the task once elsewhere; if that dies too the
   result is an ``error`` naming the node, marked as the machine's failure (never blamed on the
   candidate, never cached), and the run goes on.  A task that outlives its budget is cancelled.
@@ -83,11 +88,17 @@ def unpack(digest: str, data: bytes) -> pathlib.Path:
 
 
 def where() -> str:
-    """This worker's node, host and device, as results are stamped."""
+    """This worker's node, host and device, as results are stamped: the GPU's index on its node where Ray
+    gave the task one (``NVIDIA H200 #3``), so that timings of two GPUs of one model are not compared."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    return f"ray node {node[:12]} ({socket.gethostname()}, {device_model()})"
+    gpus = [str(g) for g in ray.get_gpu_ids()]
+    model = device_model()
+    if gpus and model == "cpu":
+        model = "gpu"  # a GPU Ray schedules by that the driver does not list (a logical one, say)
+    device = model if not gpus else f"{model} #{'+'.join(gpus)}"
+    return f"ray node {node[:12]} ({socket.gethostname()}, {device})"
 
 
 @functools.cache
@@ -134,7 +145,10 @@ def probe_task(digest: str, data: bytes, manifest: dict, roots: list[tuple[str, 
 class RayExecutor:
     """Runs a runner's probes as Ray tasks (module docstring); use as a context manager, or ``close()``."""
 
-    def __init__(self, address: str | None = None, num_cpus: int | None = None, grace_s: float = 120.0):
+    def __init__(self, address: str | None = None, num_cpus: int | None = None, grace_s: float = 120.0,
+                 num_gpus: int | None = None):
+        """``num_cpus``, ``num_gpus``: the local instance's (started where there is no ``address``); Ray finds
+        the GPUs itself by default, and a count it is given is logical (tests on a CPU machine)."""
         try:
             import ray
         except ImportError as exc:
@@ -146,12 +160,16 @@ class RayExecutor:
             kwargs = dict(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
             if address is None:
                 kwargs.update(num_cpus=num_cpus or os.cpu_count() or 2)
+                if num_gpus is not None:
+                    kwargs.update(num_gpus=num_gpus)
             ray.init(**kwargs)
         self.grace_s = grace_s
         self._task = ray.remote(probe_task)
         self._trees: dict[str, object] = {}  # content hash -> object ref
         self._lock = threading.Lock()
         self.perf_node = ray.get_runtime_context().get_node_id()  # the driver's node times every A/B pair
+        self._timing = None  # the timing bundle's placement group, made when a GPU timing first needs it
+        self._timing_lock = threading.Lock()
 
     def __enter__(self) -> RayExecutor:
         return self
@@ -161,8 +179,66 @@ class RayExecutor:
 
     def close(self) -> None:
         """Disconnect what this executor connected; a local instance it started stops, a cluster stays up."""
+        self._release_timing()
         if self.connected and self.ray.is_initialized():
             self.ray.shutdown()
+
+    def _timing_bundle(self, limit: float):
+        """The timing bundle: one GPU and one CPU of the driver's node (of the first node with a GPU where
+        the driver's has none), made on first use; None where no GPU came free within ``limit`` seconds."""
+        with self._timing_lock:
+            if self._timing is None:
+                from ray.util.placement_group import placement_group, remove_placement_group
+
+                alive = [n for n in self.ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= 1]
+                node = next((n for n in alive if n.get("NodeID") == self.perf_node), alive[0] if alive else None)
+                if node is None:
+                    return None
+                group = placement_group([{"GPU": 1, "CPU": 1, f"node:{node['NodeManagerAddress']}": 0.001}],
+                                        strategy="STRICT_PACK")
+                if not group.wait(timeout_seconds=max(30.0, limit)):
+                    remove_placement_group(group)
+                    return None
+                self._timing = group
+            return self._timing
+
+    def _release_timing(self) -> None:
+        with self._timing_lock:
+            if self._timing is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                with contextlib.suppress(Exception):  # the cluster may be gone already
+                    remove_placement_group(self._timing)
+                self._timing = None
+
+    def options(self, spec: ProbeSpec, limit: float = 60.0) -> tuple[dict, object | None]:
+        """Ray task options for ``spec`` and the placement group made for it alone (None: none made, or
+        the shared timing bundle): resources, the timing bundle for a timed GPU probe, node affinity for
+        the other timed probes, the bundle too for a GPU probe where no other GPU exists."""
+        opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
+        if spec.needs_gpu and not spec.gpus and self.ray.cluster_resources().get("GPU", 0) < 1:
+            return {"skip": "needs a GPU; the cluster has none"}, None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        if spec.gpus:  # N GPUs of one node together: a placement group, strict pack, the task in its bundle
+            group, why = self._reserve(spec)
+            if group is None:
+                return {"skip": why}, None
+            opts.update(num_gpus=spec.gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_capture_child_tasks=True))
+            return opts, group
+        timed = spec.kind in PERF_KINDS
+        # with one GPU in the whole cluster, every GPU probe goes to the bundle: a task asking for that GPU
+        # outside it would wait for ever once the bundle holds it
+        if spec.needs_gpu and (timed or self.ray.cluster_resources().get("GPU", 0) < 2):
+            bundle = self._timing_bundle(limit)
+            if bundle is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=bundle,
+                                                                               placement_group_bundle_index=0)
+                return opts, None
+        if timed:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.perf_node, soft=False)
+        return opts, None
 
     def _put(self, folder: pathlib.Path) -> tuple[str, object]:
         digest, data = pack(folder)
@@ -184,23 +260,12 @@ class RayExecutor:
     def run(self, runner, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One probe on the cluster: (result, whether the probe itself reported it)."""
         digest, ref, roots = self._tree(runner)
-        opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
-        group = None
-        if spec.gpus:  # N GPUs of one node together: a placement group, strict pack, the task in its bundle
-            group, why = self._reserve(spec)
-            if group is None:
-                return ProbeResult(probe=spec.id, status=Status.skipped, reason=why), True
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            opts.update(num_gpus=spec.gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_capture_child_tasks=True))
-        elif spec.kind in PERF_KINDS:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.perf_node, soft=False)
+        limit = spec.budget_s * repeats_for(spec.kind, spec.repeats) + self.grace_s
+        opts, group = self.options(spec, limit)
+        if "skip" in opts:
+            return ProbeResult(probe=spec.id, status=Status.skipped, reason=opts["skip"]), True
         fut = self._task.options(**opts).remote(digest, ref, runner.manifest.model_dump(), roots,
                                                spec.model_dump(), runner.emulate, runner.extra_env)
-        limit = spec.budget_s * repeats_for(spec.kind, spec.repeats) + self.grace_s
         try:
             return self._wait(fut, spec, limit)
         finally:
@@ -216,6 +281,8 @@ class RayExecutor:
         largest = max((n.get("Resources", {}).get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")), default=0)
         if largest < spec.gpus:
             return None, f"needs {spec.gpus} GPUs on one node; the cluster's largest node has {largest:g}"
+        if self._timing is not None and spec.gpus > largest - 1:
+            self._release_timing()  # it holds one of the GPUs this probe needs together; made again on next use
         group = placement_group([{"GPU": spec.gpus, "CPU": 1}], strategy="STRICT_PACK")
         if not group.wait(timeout_seconds=max(30.0, spec.budget_s)):
             from ray.util.placement_group import remove_placement_group

@@ -146,3 +146,52 @@ def test_probes_that_need_several_gpus_of_one_node_reserve_them_together(tmp_pat
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+TIMING_MANIFEST = '''
+schema_version: 1
+name: timings
+probes:
+  - {id: t.a, kind: microbench, entry: "nodes.probes:quick", needs_gpu: true, covers: {files: ["nodes/*.py"]}}
+  - {id: t.b, kind: microbench, entry: "nodes.probes:quick", needs_gpu: true, covers: {files: ["nodes/*.py"]}}
+  - {id: t.c, kind: e2e, entry: "nodes.probes:quick", needs_gpu: true, covers: {files: ["nodes/*.py"]}}
+  - {id: t.check, kind: correctness, entry: "nodes.probes:quick", needs_gpu: true, covers: {files: ["nodes/*.py"]}}
+  - {id: t.cpu, kind: correctness, entry: "nodes.probes:quick", covers: {files: ["nodes/*.py"]}}
+'''
+
+
+@pytest.mark.parametrize("gpus", [2, 1])
+def test_timed_gpu_probes_share_one_gpu_and_a_lone_gpu_is_never_waited_for(tmp_path, gpus):
+    """A node with (logical) GPUs: every timed GPU probe, over three judgements, runs on the same GPU, the
+    timing bundle's, so an A/B pair never compares two devices; with a single GPU in the cluster, the
+    other GPU probe runs too (in the bundle, never waiting for a GPU the bundle holds); the bundle is
+    released with the executor."""
+    from ray.cluster_utils import Cluster
+    from ray.util import placement_group_table
+
+    tree = tmp_path / "t"
+    (tree / "nodes").mkdir(parents=True)
+    (tree / "nodes" / "__init__.py").write_text("")
+    (tree / "nodes" / "probes.py").write_text(PROBES)
+    (tree / "infra-agent.yaml").write_text(TIMING_MANIFEST)
+    manifest = load_manifest(tree)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": gpus})
+    try:
+        with RayExecutor(address=cluster.address, grace_s=60) as ex:
+            stamps = []
+            for _ in range(3):
+                results = {r.probe: r for r in Runner(tree, manifest, jobs=4, use_cache=False,
+                                                      cache_dir=str(tmp_path / "c"), executor=ex).run(manifest.probes)}
+                # logical GPUs: the worker finds no device and skips, after Ray gave the task its GPU
+                assert all(results[p].status == Status.skipped for p in ("t.a", "t.b", "t.c", "t.check")), \
+                    {p: (r.status, r.reason) for p, r in results.items()}
+                assert results["t.cpu"].status == Status.passed and "#" not in results["t.cpu"].ran_on
+                stamps += [results[p].ran_on for p in ("t.a", "t.b", "t.c")]
+                assert "#" in results["t.check"].ran_on
+            assert len(set(stamps)) == 1 and " #" in stamps[0], stamps  # one GPU for every timing
+            assert any(g["state"] == "CREATED" for g in placement_group_table().values())
+        ray.init(address=cluster.address)  # the executor disconnected: look again from outside
+        assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
