@@ -117,18 +117,23 @@ probes:
 '''
 
 
+def _nodes_tree(tmp_path: pathlib.Path, manifest_text: str):
+    """A target of the ``nodes`` probes judged by ``manifest_text``: (tree, its manifest)."""
+    tree = tmp_path / "t"
+    (tree / "nodes").mkdir(parents=True)
+    (tree / "nodes" / "__init__.py").write_text("")
+    (tree / "nodes" / "probes.py").write_text(PROBES)
+    (tree / "infra-agent.yaml").write_text(manifest_text)
+    return tree, load_manifest(tree)
+
+
 def test_probes_that_need_several_gpus_of_one_node_reserve_them_together(tmp_path):
     """A node with two (logical) GPUs: a probe needing 2 gets them as one placement group (strict pack), run
     on that node, the group released after; one needing 3 is skipped with the reason, never left waiting."""
     from ray.cluster_utils import Cluster
     from ray.util import placement_group_table
 
-    tree = tmp_path / "t"
-    (tree / "nodes").mkdir(parents=True)
-    (tree / "nodes" / "__init__.py").write_text("")
-    (tree / "nodes" / "probes.py").write_text(PROBES)
-    (tree / "infra-agent.yaml").write_text(GPU_MANIFEST)
-    manifest = load_manifest(tree)
+    tree, manifest = _nodes_tree(tmp_path, GPU_MANIFEST)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     node = cluster.add_node(num_cpus=1, num_gpus=2)
     cluster.wait_for_nodes()
@@ -169,12 +174,7 @@ def test_timed_gpu_probes_share_one_gpu_and_a_lone_gpu_is_never_waited_for(tmp_p
     from ray.cluster_utils import Cluster
     from ray.util import placement_group_table
 
-    tree = tmp_path / "t"
-    (tree / "nodes").mkdir(parents=True)
-    (tree / "nodes" / "__init__.py").write_text("")
-    (tree / "nodes" / "probes.py").write_text(PROBES)
-    (tree / "infra-agent.yaml").write_text(TIMING_MANIFEST)
-    manifest = load_manifest(tree)
+    tree, manifest = _nodes_tree(tmp_path, TIMING_MANIFEST)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": gpus})
     try:
         with RayExecutor(address=cluster.address, grace_s=60) as ex:
