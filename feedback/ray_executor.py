@@ -188,19 +188,24 @@ class RayExecutor:
         the driver's has none), made on first use; None where no GPU came free within ``limit`` seconds."""
         with self._timing_lock:
             if self._timing is None:
-                from ray.util.placement_group import placement_group, remove_placement_group
-
                 alive = [n for n in self.ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= 1]
                 node = next((n for n in alive if n.get("NodeID") == self.perf_node), alive[0] if alive else None)
                 if node is None:
                     return None
-                group = placement_group([{"GPU": 1, "CPU": 1, f"node:{node['NodeManagerAddress']}": 0.001}],
-                                        strategy="STRICT_PACK")
-                if not group.wait(timeout_seconds=max(30.0, limit)):
-                    remove_placement_group(group)
-                    return None
-                self._timing = group
+                self._timing = self._placed({"GPU": 1, "CPU": 1, f"node:{node['NodeManagerAddress']}": 0.001},
+                                            max(30.0, limit))
             return self._timing
+
+    def _placed(self, bundle: dict, wait_s: float):
+        """A placement group of one ``bundle`` (strict pack) once Ray has reserved it; None (the request
+        withdrawn) where it was not free within ``wait_s`` seconds."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([bundle], strategy="STRICT_PACK")
+        if not group.wait(timeout_seconds=wait_s):
+            remove_placement_group(group)
+            return None
+        return group
 
     def _release_timing(self) -> None:
         with self._timing_lock:
@@ -216,7 +221,8 @@ class RayExecutor:
         the shared timing bundle): resources, the timing bundle for a timed GPU probe, node affinity for
         the other timed probes, the bundle too for a GPU probe where no other GPU exists."""
         opts: dict = {"num_cpus": 1, "num_gpus": 1 if spec.needs_gpu else 0, "max_retries": 1}
-        if spec.needs_gpu and not spec.gpus and self.ray.cluster_resources().get("GPU", 0) < 1:
+        gpus = self.ray.cluster_resources().get("GPU", 0) if spec.needs_gpu else 0
+        if spec.needs_gpu and not spec.gpus and gpus < 1:
             return {"skip": "needs a GPU; the cluster has none"}, None
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -230,7 +236,7 @@ class RayExecutor:
         timed = spec.kind in PERF_KINDS
         # with one GPU in the whole cluster, every GPU probe goes to the bundle: a task asking for that GPU
         # outside it would wait for ever once the bundle holds it
-        if spec.needs_gpu and (timed or self.ray.cluster_resources().get("GPU", 0) < 2):
+        if spec.needs_gpu and (timed or gpus < 2):
             bundle = self._timing_bundle(limit)
             if bundle is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=bundle,
@@ -276,18 +282,13 @@ class RayExecutor:
 
     def _reserve(self, spec: ProbeSpec):
         """(placement group of ``spec.gpus`` GPUs on one node, None) or (None, why it cannot be had)."""
-        from ray.util.placement_group import placement_group
-
         largest = max((n.get("Resources", {}).get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")), default=0)
         if largest < spec.gpus:
             return None, f"needs {spec.gpus} GPUs on one node; the cluster's largest node has {largest:g}"
         if self._timing is not None and spec.gpus > largest - 1:
             self._release_timing()  # it holds one of the GPUs this probe needs together; made again on next use
-        group = placement_group([{"GPU": spec.gpus, "CPU": 1}], strategy="STRICT_PACK")
-        if not group.wait(timeout_seconds=max(30.0, spec.budget_s)):
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(group)
+        group = self._placed({"GPU": spec.gpus, "CPU": 1}, max(30.0, spec.budget_s))
+        if group is None:
             return None, f"{spec.gpus} GPUs of one node were not free within {max(30.0, spec.budget_s):g}s"
         return group, ""
 

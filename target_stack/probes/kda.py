@@ -99,13 +99,8 @@ def _case_ref(case: dict):
     """The float64 reference of a case: normalisation and sigmoid as the flags say, sequence by sequence."""
 
     def run(q, k, v, g, beta, h0, *gate):
-        q, k, beta = q.double(), k.double(), beta.double()
-        if gate:
-            g = kda_gate(g.double(), *gate)
-        if case.get("l2norm"):
-            q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
-        if case.get("beta_sigmoid"):
-            beta = 1 / (1 + torch.exp(-beta))
+        q, k, g, beta = _in_kernel64(q, k, g, beta, *(gate or (None, None)), l2norm=case.get("l2norm"),
+                                     beta_sigmoid=case.get("beta_sigmoid"), gate=bool(gate))
         if not case.get("seqlens"):
             return _ref(q, k, v, g, beta, h0)
         outs, states, start = [], [], 0
@@ -118,6 +113,19 @@ def _case_ref(case: dict):
         return torch.cat(outs, 1), torch.cat(states)
 
     return run
+
+
+def _in_kernel64(q, k, g, beta, a_log, dt_bias, *, l2norm, beta_sigmoid, gate):
+    """q, k, g, beta in float64 with what a kernel call does itself done here: the q/k L2 norms, the beta
+    sigmoid, the gate activation (``kda_gate``), as its flags say."""
+    q, k, g, beta = q.double(), k.double(), g.double(), beta.double()
+    if l2norm:
+        q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta)
+    if gate:
+        g = kda_gate(g, a_log, dt_bias)
+    return q, k, g, beta
 
 
 def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
@@ -206,14 +214,19 @@ def cp_merge_error_growth(ctx: ProbeContext) -> None:
     ctx.check(max(errs) < tol, f"rel. error {max(errs):.1e} at P={sizes[errs.index(max(errs))]} > {tol:g}", **where)
 
 
+def _step_flags(c: dict) -> dict:
+    """The decode call's flags, as the probe's params say what the kernel does itself: ``l2norm`` (raw q, k),
+    ``beta_sigmoid`` (beta logits), ``gate_in_kernel`` (a raw gate input with A_log and dt_bias)."""
+    return dict(use_qk_l2norm_in_kernel=bool(c.get("l2norm")), use_beta_sigmoid_in_kernel=bool(c.get("beta_sigmoid")),
+                use_gate_in_kernel=bool(c.get("gate_in_kernel")))
+
+
 def _step_inputs(c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator, dtype=torch.float32):
-    """One decode step's inputs ``(q, k, v, g, beta, A_log, dt_bias)`` and the call's flags, as the probe's
-    params say what the kernel does itself: ``l2norm`` (raw q, k), ``beta_sigmoid`` (beta logits),
-    ``gate_in_kernel`` (a raw gate input; A_log and dt_bias are None otherwise)."""
+    """One decode step's inputs ``(q, k, v, g, beta, A_log, dt_bias)`` and the call's flags (``_step_flags``);
+    A_log and dt_bias are None without the in-kernel gate."""
     dev = gen.device
     q, k, v, g, beta = make_inputs(N, 1, H, K, V, generator=gen, device=dev)
-    flags = dict(use_qk_l2norm_in_kernel=bool(c.get("l2norm")), use_beta_sigmoid_in_kernel=bool(c.get("beta_sigmoid")),
-                 use_gate_in_kernel=bool(c.get("gate_in_kernel")))
+    flags = _step_flags(c)
     if flags["use_qk_l2norm_in_kernel"]:
         q, k = (3 * torch.randn(N, 1, H, K, generator=gen, device=dev) for _ in range(2))
     if flags["use_beta_sigmoid_in_kernel"]:
@@ -233,13 +246,9 @@ def _step_call(x: tuple, flags: dict, pool: torch.Tensor, slots: torch.Tensor):
 
 def _step_ref(x: tuple, flags: dict, h0: torch.Tensor):
     """The float64 reference of one decode step from its kernel inputs (what the kernel does itself done here)."""
-    q, k, v, g, beta, a_log, dt_bias = (None if t is None else t.double() for t in x)
-    if flags["use_qk_l2norm_in_kernel"]:
-        q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
-    if flags["use_beta_sigmoid_in_kernel"]:
-        beta = torch.sigmoid(beta)
-    if flags["use_gate_in_kernel"]:
-        g = kda_gate(g, a_log, dt_bias)
+    q, k, v, g, beta, a_log, dt_bias = x
+    q, k, g, beta = _in_kernel64(q, k, g, beta, a_log, dt_bias, l2norm=flags["use_qk_l2norm_in_kernel"],
+                                 beta_sigmoid=flags["use_beta_sigmoid_in_kernel"], gate=flags["use_gate_in_kernel"])
     return _ref(q, k, v, g, beta, h0)
 
 
@@ -332,7 +341,7 @@ def _decode_bench(ctx: ProbeContext) -> None:
     H, K, V, B = c["H"], c["K"], c["V"], c["batch"]
     slots = torch.arange(1, B + 1, dtype=torch.int32, device="cuda")
     gen = fresh_generator(device="cuda")
-    flags = _step_inputs(c, 1, 1, K, V, gen)[1]
+    flags = _step_flags(c)
 
     def make(i: int):  # fresh inputs and a fresh state pool for every timed step
         x, _ = _step_inputs(c, B, H, K, V, gen, dtype=torch.bfloat16)

@@ -150,12 +150,13 @@ def fused_recurrent_kda(
 
 
 _plans: dict = {}
+#: the slot pool's dtypes: fp32, or bf16 (half the state bytes per step, rounded once per step)
+POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _gate_sig(t: torch.Tensor | None):
+    """The in-kernel gate's parameter as a call signature sees it."""
     return None if t is None else (t.shape, t.dtype, t.device)
-#: the slot pool's dtypes: fp32, or bf16 (half the state bytes per step, rounded once per step)
-POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _decode_tile(V: int, rows: int, device: torch.device, state_dtype: torch.dtype = torch.float32) -> int:
