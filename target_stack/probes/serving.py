@@ -179,8 +179,9 @@ _WHERE = {"prefill": dict(file=RUNNER, symbol="ModelRunner.prefill_from"),
 
 def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) -> tuple[list, float, object, int]:
     """One run of the engine (``options``: LLMEngine arguments) on fresh weights and prompts: the
-    recorded steps per sequence and phase as [(phase, condition, logits, float64 logits, tokens that
-    are not their step's argmax, tokens, logits of the model's own forward)], the smallest margin of
+    recorded steps per sequence and phase as [(phase, condition, logits, float64 logits, (position,
+    token, its logit, the argmax, its logit) of each token that is not its step's argmax, tokens,
+    logits of the model's own forward)], the smallest margin of
     the float64 model's discrete choices, the model, and the engine's preemptions."""
     from target_stack.engine import LLMEngine, SamplingParams
     from target_stack.model.model import HybridModel, ModelConfig
@@ -224,7 +225,8 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
             logits = torch.stack([g for _, g in got])
             # the sampler's contract is the argmax of finite logits: a row with a NaN or an inf is the
             # logits' failure (the comparison below names it), whatever token was drawn from it
-            greedy = [int(t) for t, row in zip((chosen[q] for q in pos), logits)
+            greedy = [(q, int(t), float(row[t]), int(row.argmax()), float(row.max()))
+                      for q, t, row in zip(pos, (chosen[q] for q in pos), logits)
                       if bool(torch.isfinite(row).all()) and row[t] != row.max()]
             rows.append((phase, cond, logits, want[pos], greedy, tokens, own[pos]))
     return rows, margin, model, engine.preemptions
@@ -281,7 +283,9 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
                         metric=metric, **where)
         else:
             chk.compare(got, want, f"{phase} logits", tolerance=bound, metric=metric, **where)
-        ctx.check(not wrong, f"greedy tokens {wrong} are not the argmax of the step's logits",
+        ctx.check(not wrong, f"greedy tokens {[t for _, t, *_ in wrong]} are not the argmax of the step's logits "
+                  + "(" + "; ".join(f"position {q}: token {t} scores {lt:.6g}, token {a} {la:.6g}"
+                                    for q, t, lt, a, la in wrong[:3]) + ")",
                   file=SAMPLER, symbol="sample (greedy) / LLMEngine.step", condition=f"{name}; {cond}")
 
 
