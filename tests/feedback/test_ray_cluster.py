@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="Ray is the optional [cluster] extra")
 from feedback.manifest import load_manifest  # noqa: E402
 from feedback.models import Status  # noqa: E402
 from feedback.ray_executor import RayExecutor  # noqa: E402
-from feedback.runner import Runner  # noqa: E402
+from feedback.runner import Runner, gpu_present  # noqa: E402
 from tests.support.processes import alive  # noqa: E402
 
 PROBES = '''
@@ -127,6 +127,14 @@ def _nodes_tree(tmp_path: pathlib.Path, manifest_text: str):
     return tree, load_manifest(tree)
 
 
+def _ran_as_the_host_allows(result) -> bool:
+    """A probe given a logical GPU by Ray: on a host without an NVIDIA device the worker finds none and skips,
+    saying so; on a GPU machine (where ``.ci/gpu ray`` runs these tests) the device is there and it runs."""
+    if gpu_present():
+        return result.status == Status.passed
+    return result.status == Status.skipped and "none on this machine" in (result.reason or "")
+
+
 def test_probes_that_need_several_gpus_of_one_node_reserve_them_together(tmp_path):
     """A node with two (logical) GPUs: a probe needing 2 gets them as one placement group (strict pack), run
     on that node, the group released after; one needing 3 is skipped with the reason, never left waiting."""
@@ -143,8 +151,7 @@ def test_probes_that_need_several_gpus_of_one_node_reserve_them_together(tmp_pat
                                                   executor=ex).run(manifest.probes)}
             two, three = results["r.two"], results["r.three"]
             assert two.ran_on and node.node_id[:12] in two.ran_on  # it ran, on the node with the GPUs
-            # (logical GPUs: the worker itself finds no device, and says so)
-            assert two.status == Status.skipped and "none on this machine" in two.reason
+            assert _ran_as_the_host_allows(two), (two.status, two.reason)
             assert three.status == Status.skipped and three.ran_on is None
             assert "needs 3 GPUs on one node; the cluster's largest node has 2" in three.reason
             assert all(g["state"] == "REMOVED" for g in placement_group_table().values())
@@ -182,8 +189,8 @@ def test_timed_gpu_probes_share_one_gpu_and_a_lone_gpu_is_never_waited_for(tmp_p
             for _ in range(3):
                 results = {r.probe: r for r in Runner(tree, manifest, jobs=4, use_cache=False,
                                                       cache_dir=str(tmp_path / "c"), executor=ex).run(manifest.probes)}
-                # logical GPUs: the worker finds no device and skips, after Ray gave the task its GPU
-                assert all(results[p].status == Status.skipped for p in ("t.a", "t.b", "t.c", "t.check")), \
+                # each ran (or, without a real device, skipped) after Ray gave the task its GPU
+                assert all(_ran_as_the_host_allows(results[p]) for p in ("t.a", "t.b", "t.c", "t.check")), \
                     {p: (r.status, r.reason) for p, r in results.items()}
                 assert results["t.cpu"].status == Status.passed and "#" not in results["t.cpu"].ran_on
                 stamps += [results[p].ran_on for p in ("t.a", "t.b", "t.c")]
