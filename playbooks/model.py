@@ -242,6 +242,12 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path,
                     reason=f"declined: the evidence ({', '.join(probes[:3])}) is about {', '.join(sorted(scope)[:4])}; "
                            f"the code pattern matches only elsewhere ({matches[0]})")
             matches = bound
+            # what is cited is what is about the code changed: a slow kernel elsewhere is no evidence here
+            about = {p for p in probes if (own := _scope([p], report, covers)) is None
+                     or any(_in(m.file, own) for m in bound)}
+            if about and (not sig.all_of or about == set(probes)):
+                hits = [(p, e) for p, e in hits if p in about]
+                probes = [p for p in probes if p in about]
     matches = _where_pointed(matches, report)
     if pb.applicability.code and not matches:
         return Applicability(playbook=pb.id, applies=False, evidence=[e for _, e in hits],

@@ -85,6 +85,25 @@ def test_a_division_in_the_slow_kernel_itself_is_still_found(tmp_path):
     assert [m.file for m in app.code_matches] == ["pkg/decode/step.py"]  # the norms elsewhere are left alone
 
 
+def test_only_the_evidence_about_the_matched_code_is_cited(tmp_path):
+    """fla 0.6.0 on an H200 (2026-12-03): the rewrite of a division in the decode kernel was proposed citing
+    the merge and prefill benchmarks too, which time other kernels; what is cited is what is about the code."""
+    files = {**FILES, "pkg/decode/step.py": "import triton.language as tl\n\n\ndef step(x, v):\n"
+                                            "    return x / tl.sqrt(v)\n"}
+    root = _repo(tmp_path, files)
+    report = _report()
+    report.results[0] = ProbeResult(probe="ext.static.dots", status=Status.failed,
+                                    metrics={"bandwidth_vs_copy": Metric(value=0.14)})  # a slow merge, failing
+    covers = {"ext.static.dots": ["pkg/cp/*.py"], "ext.decode.bench": ["pkg/decode/*.py"]}
+    app = evaluate(load_library()["reciprocal-rsqrt"], report, root, covers)
+    assert app.applies and [m.file for m in app.code_matches] == ["pkg/decode/step.py"]
+    assert app.evidence_probes == ["ext.decode.bench"]
+    assert all("ext.decode.bench" in e for e in app.evidence) and not any("ext.static" in e for e in app.evidence)
+    assert not app.for_a_failure  # the failing probe is about another kernel: this is no fix for it
+    unbound = evaluate(load_library()["reciprocal-rsqrt"], report, root)
+    assert set(unbound.evidence_probes) == {"ext.static.dots", "ext.decode.bench"}  # without covers, all of it
+
+
 def test_the_policy_answers_the_failing_probe_first_and_reads_covers_from_the_manifest(tmp_path):
     files = {**FILES, "pkg/decode/step.py": "import triton.language as tl\n\n\ndef step(x, v):\n"
                                             "    return x / tl.sqrt(v)\n"}
