@@ -187,34 +187,63 @@ def _is_jit(fn: ast.FunctionDef) -> bool:
                for d in fn.decorator_list)
 
 
-def _program_tiles(kernel: ast.FunctionDef) -> dict[int, str]:
-    """{grid axis: tile constexpr} for ``pid = tl.program_id(AXIS)`` used as ``pid * TILE`` in ``kernel``."""
+def _program_tiles(kernel: ast.FunctionDef) -> list[tuple[int, str]]:
+    """(grid axis, tile constexpr) pairs of ``kernel``: an index derived from ``tl.program_id(AXIS)``, directly
+    (``i_v = tl.program_id(0)``) or through arithmetic on a flattened grid (``i_v = (pid // NK) % NV``),
+    scaling a constexpr parameter (``i_v * BV``)."""
     params = {a.arg for a in kernel.args.args}
-    pids: dict[str, int] = {}
-    for node in ast.walk(kernel):
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
-                and node.value.func.attr == "program_id" and node.value.args
-                and isinstance(node.value.args[0], ast.Constant)):
-            pids[node.targets[0].id] = int(node.value.args[0].value)
-    tiles: dict[int, str] = {}
+    axis_of: dict[str, int] = {}
+    assigns = [n for n in ast.walk(kernel) if isinstance(n, ast.Assign)]
+    for node in assigns:
+        value = node.value
+        while (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"
+               and isinstance(value.func.value, ast.Call)):
+            value = value.func.value  # tl.program_id(0).to(tl.int64)
+        if (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Attribute) and value.func.attr == "program_id" and value.args
+                and isinstance(value.args[0], ast.Constant)):
+            axis_of[node.targets[0].id] = int(value.args[0].value)
+    grown = True
+    while grown:  # indices computed from a program id carry its axis (i_nh = pid // NV; i_n, i_h = i_nh // H, ...)
+        grown = False
+        for node in assigns:
+            axes = {axis_of[n.id] for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id in axis_of}
+            if len(axes) != 1:
+                continue
+            (axis,) = axes
+            for target in node.targets:
+                for name in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(name, ast.Name) and name.id not in axis_of:
+                        axis_of[name.id] = axis
+                        grown = True
+    tiles: list[tuple[int, str]] = []
     for node in ast.walk(kernel):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            a, b = node.left, node.right
-            for pid, tile in ((a, b), (b, a)):
-                if isinstance(pid, ast.Name) and pid.id in pids and isinstance(tile, ast.Name) and tile.id in params:
-                    tiles.setdefault(pids[pid.id], tile.id)
+            for idx, tile in ((node.left, node.right), (node.right, node.left)):
+                if (isinstance(idx, ast.Name) and idx.id in axis_of and isinstance(tile, ast.Name)
+                        and tile.id in params and (axis_of[idx.id], tile.id) not in tiles):
+                    tiles.append((axis_of[idx.id], tile.id))
     return tiles
 
 
+def _factors(e: ast.expr) -> list[ast.expr]:
+    """The factors of a product (``a * b * c``), ``[e]`` for anything else."""
+    if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Mult):
+        return _factors(e.left) + _factors(e.right)
+    return [e]
+
+
 def _grid_with(tile: str, axis: int, fn: ast.FunctionDef) -> tuple[ast.expr, list[ast.expr]] | None:
-    """In host function ``fn``: a grid tuple whose ``axis`` entry is ``cdiv(DIM, tile)``: (DIM, other entries)."""
+    """In host function ``fn``: a grid tuple whose ``axis`` entry is ``cdiv(DIM, tile)``, or a flattened grid's
+    product of it with other counts (``cdiv(V, BV) * N * H``): (DIM, the other counts and entries)."""
     for node in ast.walk(fn):
         if isinstance(node, ast.Tuple) and len(node.elts) > axis:
-            e = node.elts[axis]
-            if (isinstance(e, ast.Call) and getattr(e.func, "attr", getattr(e.func, "id", None)) == "cdiv"
-                    and len(e.args) == 2 and isinstance(e.args[1], ast.Name) and e.args[1].id == tile):
-                return e.args[0], [x for i, x in enumerate(node.elts) if i != axis]
+            factors = _factors(node.elts[axis])
+            for i, e in enumerate(factors):
+                if (isinstance(e, ast.Call) and getattr(e.func, "attr", getattr(e.func, "id", None)) == "cdiv"
+                        and len(e.args) == 2 and isinstance(e.args[1], ast.Name) and e.args[1].id == tile):
+                    return e.args[0], ([f for j, f in enumerate(factors) if j != i]
+                                       + [x for j, x in enumerate(node.elts) if j != axis])
     return None
 
 
@@ -242,7 +271,7 @@ def widen_program_tiles(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
         lines = src.splitlines(keepends=True)
         inserts: list[tuple[int, str]] = []  # (after line number, text)
         for kernel in kernels:
-            for axis, tile in _program_tiles(kernel).items():
+            for axis, tile in _program_tiles(kernel):
                 for fn in hosts:
                     found = _grid_with(tile, axis, fn)
                     if found is None:

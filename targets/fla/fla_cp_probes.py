@@ -17,47 +17,22 @@ probes call fla's own kernels, found by what they are, not by one release's file
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import os
 import pkgutil
 
 import torch
+from fla_tree import from_tree
 
 from feedback.correctness import rel_err
 from feedback.probe import ProbeContext, probe
 
 
-def _lenient_autotune() -> None:
-    """fla 0.5.x names an autotune key (``BT``) its merge kernel does not take; newer Triton refuses that
-    at import.  The keys a kernel does not have are dropped (they never distinguished a config)."""
-    import triton
-
-    if getattr(triton.autotune, "__infra_agent__", False):
-        return
-    original = triton.autotune
-
-    def autotune(configs, key, *args, **kwargs):
-        def decorate(fn):
-            names = set(getattr(fn, "arg_names", None) or inspect.signature(getattr(fn, "fn", fn)).parameters)
-            return original(configs, [k for k in key if k in names], *args, **kwargs)(fn)
-        return decorate
-
-    autotune.__infra_agent__ = True
-    triton.autotune = autotune
-
-
 def merge_kernel(tree: str):
     """(module file, name, kernel) of fla's CP merge: a Triton kernel under ``fla.ops.cp`` taking ``h`` and
     ``ag_hm``, imported from the tree under test (never from an installed fla)."""
-    _lenient_autotune()
-    import fla.ops.cp as cp
-
-    root = os.path.realpath(tree) + os.sep
+    cp = from_tree("fla.ops.cp", tree)
     for info in pkgutil.iter_modules(cp.__path__):
-        mod = importlib.import_module(f"fla.ops.cp.{info.name}")
-        if not os.path.realpath(mod.__file__).startswith(root):
-            raise ImportError(f"{mod.__name__} was imported from {mod.__file__}, outside the tree under test {tree}")
+        mod = from_tree(f"fla.ops.cp.{info.name}", tree)
         for name, obj in vars(mod).items():
             args = getattr(obj, "arg_names", None)
             if "merge" in name and args and {"h", "ag_hm"} <= set(args):

@@ -1,4 +1,5 @@
-"""Microbenchmarks of flash-linear-attention's KDA kernels at the shapes a server runs (GPU only).
+"""flash-linear-attention's KDA kernels: microbenchmarks at the shapes a server runs (GPU only), and the
+decode kernel's correctness on any machine.
 
 ``decode_bench``: one pooled decode step (``fused_recurrent_kda_fwd``, the state updated in place in a
 pool of slots, q/k normalised in the kernel) for ``batch`` sequences, H=32, K=V=128; ``prefill_bench``:
@@ -13,6 +14,7 @@ against side by side on the H200, bench/RESULTS.md).
 from __future__ import annotations
 
 import torch
+from fla_tree import from_tree
 
 from feedback.probe import ProbeContext, probe
 
@@ -28,7 +30,7 @@ def _inputs(batch: int, T: int, H: int, K: int, V: int):
 def decode_bench(ctx: ProbeContext) -> None:
     if not torch.cuda.is_available():
         ctx.skip("timings need a GPU")
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
 
     from target_stack.ops.kda import naive_recurrent_kda
     from target_stack.ops.kda.testing import rel_err
@@ -58,11 +60,53 @@ def decode_bench(ctx: ProbeContext) -> None:
     ctx.metric("bandwidth_vs_copy", nbytes / t.median_s / t.copy_bytes_per_s, better="higher")
 
 
+@probe(kind="correctness")
+def decode_correctness(ctx: ProbeContext) -> None:
+    """One pooled decode step of fla's kernel (``fused_recurrent_kda_fwd``, q/k normalised in the kernel) against
+    the float64 recurrence, on the probe's device: Triton's interpreter on a CPU (fp32 inputs there, whose dots
+    the interpreter computes reliably), natively elsewhere.  Fresh inputs per call, the output poisoned
+    first, the null slot (0) poisoned too and checked untouched; ``batches`` sequences of H heads at K = V =
+    128, where a launch change (the V tile, the warps) takes effect.  What keeps a change to the decode launch
+    honest where the GPU benchmarks cannot run."""
+    fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
+
+    from feedback.correctness import fresh_generator
+    from target_stack.ops.kda import naive_recurrent_kda
+    from target_stack.ops.kda.testing import make_inputs, rel_err
+
+    p = ctx.params
+    H, K, V, tol = p.get("H", 2), p.get("K", 128), p.get("V", 128), float(p.get("tolerance", 1e-5))
+    dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
+    gen = fresh_generator(device=ctx.device)
+    worst = 0.0
+    for B in p.get("batches", [3]):
+        q, k, v, g, beta = make_inputs(B, 1, H, K, V, dtype=dtype, decay_shift=3.0, generator=gen, device=ctx.device)
+        g, beta = g.float(), beta.float()
+        pool = torch.randn(B + 1, H, K, V, generator=gen, device=ctx.device) * 0.1
+        pool[0] = float("nan")  # the null slot: never read, never written
+        before = pool[1:].clone()
+        slots = torch.arange(1, B + 1, dtype=torch.int32, device=ctx.device)
+        out = torch.full_like(v, float("nan"))
+        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                       ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
+        qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k))
+        ro, rs = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=before.double(),
+                                     output_final_state=True)
+        scale = 1.0 if dtype == torch.float32 else 30.0  # a bf16 output's rounding, on a GPU
+        err = max(rel_err(pool[1:], rs), rel_err(o, ro) / scale)
+        worst = max(worst, err)
+        where = dict(file="fla/ops/kda/fused_recurrent.py", symbol="fused_recurrent_kda_fwd",
+                     condition=f"one pooled decode step, batch {B}, H={H}, K={K}, V={V}, {str(dtype)[6:]} inputs")
+        ctx.check(err < tol, f"rel. error {err:.2e} > {tol:g} against the float64 recurrence", **where)
+        ctx.check(bool(pool[0].isnan().all()), "the null slot (0) was written", **where)
+    ctx.metric("max_rel_err", worst, better="lower")
+
+
 @probe(kind="microbench")
 def prefill_bench(ctx: ProbeContext) -> None:
     if not torch.cuda.is_available():
         ctx.skip("timings need a GPU")
-    from fla.ops.kda.chunk import chunk_kda
+    chunk_kda = from_tree("fla.ops.kda.chunk", ctx.tree).chunk_kda
 
     from target_stack.ops.kda import naive_chunk_kda
     from target_stack.ops.kda.testing import rel_err

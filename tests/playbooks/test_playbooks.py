@@ -12,7 +12,7 @@ from feedback.harness import judge
 from feedback.models import FeedbackReport, Finding, Location, Metric, ProbeResult, Status
 from feedback.targets import materialize_bundled
 from playbooks.model import PlaybookError, evaluate, load_library, load_playbook, run_transform
-from tests.support.workcount import KERNEL, count
+from tests.support.workcount import FLAT_KERNEL, KERNEL, count
 
 LIB = load_library()
 
@@ -191,6 +191,22 @@ def test_tile_widening_runs_fewer_programs_with_the_same_results(tmp_path):
     assert before["reads_x"] == 8 and after["reads_x"] == 1 and after["reads_w"] == 1
     assert before["err"] < 1e-5 and after["err"] < 1e-5
     assert run_transform(LIB["fuse-v-tiles"], t, app) == []  # never twice
+
+
+def test_tile_widening_finds_the_tile_of_a_flattened_grid(tmp_path):
+    """One program axis decomposed in the kernel (``pid % NT``, ``pid // NT``) and a grid of ``cdiv(N, BN) *
+    rows``: the tile is found through the index arithmetic and widened with the grid's other factor."""
+    assert "pid % NT" in FLAT_KERNEL and "cdiv(N, BN) * rows" in FLAT_KERNEL  # the variant is what it says
+    t = tree(tmp_path / "t", {"kern.py": FLAT_KERNEL})
+    before = count(tmp_path, t / "kern.py")
+    app = evaluate(LIB["fuse-v-tiles"], report(metrics("w.work", max_input_reads=8.0)), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["fuse-v-tiles"], t, app) == ["kern.py"]
+    assert "    BN = _widest_tile(N, BN, rows)\n" in (t / "kern.py").read_text()
+    after = count(tmp_path, t / "kern.py")
+    assert before["grids"] == [[24, 1, 1]] and after["grids"] == [[3, 1, 1]]
+    assert before["reads_x"] == 8 and after["reads_x"] == 1
+    assert before["err"] < 1e-5 and after["err"] < 1e-5
 
 
 def test_tf32x3_playbook_fixes_an_implicit_tf32_merge_in_the_bundled_target(tmp_path):

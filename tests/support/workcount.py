@@ -39,6 +39,12 @@ def run(x, w):
     return out
 '''
 
+# the same work on a flattened grid (one program axis decomposed in the kernel, as fla's decode launches it)
+FLAT_KERNEL = KERNEL.replace(
+    "    i_n = tl.program_id(0)\n    row = tl.program_id(1)\n",
+    "    pid = tl.program_id(0).to(tl.int64)\n    NT = tl.cdiv(N, BN)\n    i_n, row = pid % NT, pid // NT\n",
+).replace("grid = (triton.cdiv(N, BN), rows)", "grid = (triton.cdiv(N, BN) * rows, )")
+
 COUNT = '''
 import importlib.util, json, sys
 import torch
