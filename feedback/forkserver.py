@@ -9,7 +9,12 @@ gets, so nothing changes for a verdict:
 
 * nothing of one tree reaches the next: every probe is a fork of the same clean server, which never
   imported a tree; a library that the tree under test itself provides (a tree that *is* a Triton
-  fork) is not preloaded;
+  fork) is not preloaded, and a server that imported any module the tree provides (an installed copy
+  of it, pulled in by a preloaded library) is not used for that tree;
+* a manifest's ``preload`` names more third-party modules for the server to import (fla's probes pay
+  ~3 s of ``torch._dynamo`` and ``torch._inductor`` imports each on a CPU): one server per such list;
+  a server whose imports opened the GPU driver (CUDA initialised: no fork could use the GPU) refuses
+  to serve, and the probes run cold;
 * the environment at import time is the probe's own: there is one server per environment (less
   the variables that differ from probe to probe: the import path, the probe id, the harness pid and
   the timing witness; and those read only where they are used, ``TRITON_CACHE_DIR``), so a variable
@@ -69,6 +74,8 @@ VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})
 READ_AT_USE = frozenset({"TRITON_CACHE_DIR"})
 #: the heavy imports every probe of this project pays for; a tree's own copy of one is never preloaded
 PRELOAD = ("numpy", "torch", "triton", "triton.language")
+#: a manifest's ``preload``: more third-party modules for the server to import (comma-separated)
+PRELOAD_VAR = "INFRA_AGENT_PRELOAD"
 #: the harness's side of a probe process
 HARNESS_MODULES = ("feedback.worker", "feedback.probe", "feedback.models", "feedback.timing", "feedback.emulation",
                    "feedback.lifeline")
@@ -113,13 +120,25 @@ def split_path(pythonpath: str) -> tuple[list[str], list[str]]:
     return entries, [harness]
 
 
-def preload_for(tree_roots: list[str]) -> tuple[str, ...]:
-    """The heavy imports to preload for a tree: none that the tree (or its probe roots) provides itself."""
-    def provided(name: str) -> bool:
-        top = name.split(".")[0]
-        return any((pathlib.Path(r) / top).is_dir() or (pathlib.Path(r) / f"{top}.py").is_file() for r in tree_roots)
+def provided_by(tree_roots: list[str]) -> frozenset[str]:
+    """The top-level modules and packages the tree (or its probe roots) provides itself."""
+    tops: set[str] = set()
+    for root in tree_roots:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(root):
+                if entry.name.endswith(".py") and entry.is_file():
+                    tops.add(entry.name[:-3])
+                elif entry.is_dir() and entry.name.isidentifier():
+                    tops.add(entry.name)
+    return frozenset(tops)
 
-    return tuple(n for n in PRELOAD if not provided(n))
+
+def preload_for(tree_roots: list[str], extra: str = "") -> tuple[str, ...]:
+    """The heavy imports to preload for a tree (this project's, and ``extra``: a manifest's ``preload``,
+    comma-separated): none that the tree (or its probe roots) provides itself."""
+    tops = provided_by(tree_roots)
+    names = dict.fromkeys([*PRELOAD, *(n.strip() for n in extra.split(",") if n.strip())])
+    return tuple(n for n in names if n.split(".")[0] not in tops)
 
 
 def server_key(env: dict[str, str], shared_path: list[str], preload: tuple[str, ...]) -> str:
@@ -157,6 +176,8 @@ class Forked:
 
 _lock = threading.Lock()
 _cold: dict[str, str] = {}  # servers that could not start: key -> why (their probes run cold in this process)
+_modules: dict[str, frozenset[str]] = {}  # key -> the top-level modules its server imported
+_clashes: dict[tuple[str, frozenset[str]], str] = {}  # (key, modules a tree provides) already reported
 _started: list[subprocess.Popen] = []  # the servers this process started: a running child's Popen must not be
 #                                        collected (it would warn and lose track of the process)
 
@@ -229,13 +250,23 @@ def _start(key: str, path: pathlib.Path, env: dict[str, str], shared_path: list[
         return f"the fork server did not come up within {_START_TIMEOUT_S:g} s"
 
 
+def _imported(key: str) -> frozenset[str]:
+    """The top-level modules the server of ``key`` imported (written before it listens), read once."""
+    if key not in _modules:
+        try:
+            _modules[key] = frozenset((_socket_dir() / f"{key}.modules").read_text().split())
+        except OSError:
+            return frozenset()
+    return _modules[key]
+
+
 def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int | None = None) -> Forked | None:
     """``python -m feedback.worker *worker_args`` as a fork of a warm server; None where none can serve it
     (the caller runs it cold)."""
     if not enabled():
         return None
     tree_roots, shared_path = split_path(env.get("PYTHONPATH", ""))
-    preload = preload_for(tree_roots)
+    preload = preload_for(tree_roots, env.get(PRELOAD_VAR, ""))
     key = server_key(env, shared_path, preload)
     if key in _cold:
         return None
@@ -254,6 +285,12 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
         conn = _connect(path)
         if conn is None:
             return None
+    if clash := _imported(key) & provided_by(tree_roots):
+        conn.close()  # the server imported (an installed copy of) what this tree provides: this tree runs cold
+        why = f"the warm server has imported {', '.join(sorted(clash))}, which the tree under test provides"
+        if _clashes.setdefault((key, clash), why) is why:
+            print(f"infra-agent: probes of this tree run cold: {why}", file=sys.stderr)
+        return None
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     request = json.dumps({"argv": worker_args, "env": env, "cwd": cwd}).encode()
@@ -403,12 +440,31 @@ def _same_user(conn: socket.socket) -> bool:
     return uid == os.getuid()
 
 
+def opened_files(prefix: str) -> list[str]:
+    """The files this process holds open whose path starts with ``prefix`` (Linux; none elsewhere)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if (target := os.readlink(f"/proc/self/fd/{fd}")).startswith(prefix):
+                    found.append(target)
+    return found
+
+
 def serve(path: str, pidfile: str, preload: list[str]) -> int:
     """Import, listen on ``path``, fork a monitor per connection, until idle or displaced."""
     shared = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     rest = [p for p in sys.path[1:] if p not in shared]  # the interpreter's own path (stdlib, site-packages)
     for name in [*preload, *HARNESS_MODULES]:
         importlib.import_module(name)
+    if opened := opened_files("/dev/nvidia"):  # a process that initialised CUDA cannot hand it to a fork
+        print(f"preloading {', '.join(preload)} opened the GPU driver ({opened[0]}): a forked probe could not use "
+              "the GPU", file=sys.stderr)
+        return 3
+    # every top-level module the server holds, which no probe's tree may provide (spawn checks it)
+    tops = sorted({name.split(".")[0] for name in sys.modules})
+    modules = pathlib.Path(pidfile).with_suffix(".modules")
+    modules.write_text("\n".join(tops))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
     stop = threading.Event()
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -231,6 +231,10 @@ class Manifest(BaseModel):
                                   "file of the tree can stand in for them)")
     env: EnvVars = Field(default_factory=dict, description="environment variables every probe runs with "
                          "(a probe's own env overrides them)")
+    preload: list[str] = Field(default_factory=list, description="third-party modules the warm probe server imports "
+                               "once, before it forks each probe (the heavy imports every probe of the tree pays, "
+                               "e.g. torch._dynamo for a library that compiles with it); never one the tree provides, "
+                               "and a server that imported anything the tree provides is not used for it")
     _source: str | None = PrivateAttr(default=None)
     _text: str | None = PrivateAttr(default=None)  # what it was parsed from (a baseline with the same text reuses it)
 
@@ -246,6 +250,9 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        for name in self.preload:
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+                raise ValueError(f"preload: {name!r} is not a module name (dotted identifiers, e.g. torch._dynamo)")
         seen: set[str] = set()
         for p in self.probes:
             if p.id in seen:

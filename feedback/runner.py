@@ -201,6 +201,8 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a probe killed by a signal still says where it was (crash_site)
         env[HARNESS_PID] = str(os.getpid())  # the probe dies with the harness (feedback/lifeline.py)
+        if self.manifest.preload:  # what the warm probe server imports besides its own (feedback/forkserver.py)
+            env[forkserver.PRELOAD_VAR] = ",".join(self.manifest.preload)
         if not gpu_present():
             env["TRITON_INTERPRET"] = "1"
             if self.emulate:

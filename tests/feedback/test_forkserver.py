@@ -10,7 +10,7 @@ import time
 import pytest
 
 from feedback import forkserver
-from feedback.manifest import parse_manifest
+from feedback.manifest import ManifestError, parse_manifest
 from feedback.models import Status
 from feedback.runner import Runner
 from tests.support.processes import alive
@@ -179,3 +179,64 @@ def test_stopping_a_server_removes_its_socket_first(tmp_path, home):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid) and not sock.exists()
+
+
+PRELOAD_PROBE = '''
+import sys
+WARM = "torch" in sys.modules
+MIME = "email.mime.text" in sys.modules
+from feedback.probe import probe
+import shadowpkg
+
+@probe(kind="correctness")
+def check(ctx):
+    ctx.metric("warm", float(WARM))
+    ctx.metric("mime_preloaded", float(MIME))
+    ctx.metric("installed_copy", float(shadowpkg.INSTALLED))
+'''
+
+
+def _preload_tree(root: pathlib.Path, preload: list[str]) -> pathlib.Path:
+    (root / "pre").mkdir(parents=True)
+    (root / "pre" / "__init__.py").write_text("")
+    (root / "pre" / "probe.py").write_text(PRELOAD_PROBE)
+    (root / "shadowpkg").mkdir()
+    (root / "shadowpkg" / "__init__.py").write_text("INSTALLED = False\n")  # the tree's own copy
+    (root / "infra-agent.yaml").write_text(
+        f"schema_version: 1\nname: pre\npython_path: ['.']\npreload: {preload}\nprobes:\n"
+        "  - {id: pre.probe, kind: correctness, entry: 'pre.probe:check'}\n")
+    return root
+
+
+def test_a_manifest_preloads_more_and_never_an_installed_copy_of_the_tree(tmp_path, home, monkeypatch):
+    """``preload`` adds third-party imports to the warm server (one server per list); a preloaded module that
+    pulls in an installed copy of a package the tree provides makes that tree's probes run cold, so the probe
+    imports the tree's own copy, never the server's."""
+    site = tmp_path / "site"
+    (site / "shadowpkg").mkdir(parents=True)
+    (site / "shadowpkg" / "__init__.py").write_text("INSTALLED = True\n")  # installed, shadowed by the tree's
+    (site / "pullsin.py").write_text("import shadowpkg\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setattr(forkserver, "_clashes", {})
+    plain, more = _run(_preload_tree(tmp_path / "a", [])), _run(_preload_tree(tmp_path / "b", ["email.mime.text"]))
+    assert plain["warm"] == 1 and plain["mime_preloaded"] == 0 and plain["installed_copy"] == 0
+    assert more["warm"] == 1 and more["mime_preloaded"] == 1 and more["installed_copy"] == 0
+    assert len(forkserver.servers(home)) == 2  # one per preload list
+    pulled = _run(_preload_tree(tmp_path / "c", ["email.mime.text", "pullsin"]))
+    assert pulled["installed_copy"] == 0  # the tree's own shadowpkg was judged
+    assert pulled["warm"] == 0  # run cold: the warm server holds the installed shadowpkg
+    assert any("shadowpkg" in why for why in forkserver._clashes.values())
+
+
+def test_a_preload_entry_must_be_a_module_name():
+    with pytest.raises(ManifestError, match="not a module name"):
+        parse_manifest("schema_version: 1\nname: x\npreload: ['os; rm -rf /']\nprobes:\n"
+                       "  - {id: x.p, kind: correctness, entry: 'x.p:check'}\n")
+
+
+def test_the_server_sees_the_files_it_holds_open(tmp_path):
+    """What a server checks after its imports: a driver file held open (CUDA initialised before the fork)."""
+    held = tmp_path / "driver-like"
+    with open(held, "w"):
+        assert forkserver.opened_files(str(tmp_path)) == [str(held)]
+    assert forkserver.opened_files(str(tmp_path)) == []
