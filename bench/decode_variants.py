@@ -84,6 +84,16 @@ def _math(b_h, b_q, b_k, b_g, b_v, b_b, b_bias, b_a, scale, ONEPASS: tl.constexp
 
 
 @triton.jit
+def _finish(b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h, o, a_log, scale, V: tl.constexpr,
+            ONEPASS: tl.constexpr):
+    """One work item's step once its loads are in: the gate, the update, the output and the state stored."""
+    b_a = -tl.exp(tl.load(a_log + i_h).to(tl.float32))
+    b_h, b_o = _math(b_h, b_q, b_k, b_g, b_v, b_b, b_bias, b_a, scale, ONEPASS)
+    tl.store(o + base * V + o_v, b_o.to(o.dtype.element_ty))
+    tl.store(ptr, b_h, mask=m)
+
+
+@triton.jit
 def grid_kernel(q, k, g, v, beta, o, pool, slots, a_log, dt_bias, scale, N,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                 ONEPASS: tl.constexpr):
@@ -91,10 +101,7 @@ def grid_kernel(q, k, g, v, beta, o, pool, slots, a_log, dt_bias, scale, N,
     n_items = N * H * NV
     b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h = _item(
         q, k, g, v, beta, pool, slots, dt_bias, it, n_items, H, K, V, BV, NV)
-    b_a = -tl.exp(tl.load(a_log + i_h).to(tl.float32))
-    b_h, b_o = _math(b_h, b_q, b_k, b_g, b_v, b_b, b_bias, b_a, scale, ONEPASS)
-    tl.store(o + base * V + o_v, b_o.to(o.dtype.element_ty))
-    tl.store(ptr, b_h, mask=m)
+    _finish(b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h, o, a_log, scale, V, ONEPASS)
 
 
 @triton.jit
@@ -111,10 +118,7 @@ def persist_kernel(q, k, g, v, beta, o, pool, slots, a_log, dt_bias, scale, N,
             n_h, n_ptr, n_m, n_q, n_k, n_g, n_v, n_b, n_bias, n_base, n_ov, n_ih)
         n_h, n_ptr, n_m, n_q, n_k, n_g, n_v, n_b, n_bias, n_base, n_ov, n_ih = _item(
             q, k, g, v, beta, pool, slots, dt_bias, it + nprog, n_items, H, K, V, BV, NV)
-        b_a = -tl.exp(tl.load(a_log + i_h).to(tl.float32))
-        b_h, b_o = _math(b_h, b_q, b_k, b_g, b_v, b_b, b_bias, b_a, scale, ONEPASS)
-        tl.store(o + base * V + o_v, b_o.to(o.dtype.element_ty))
-        tl.store(ptr, b_h, mask=m)
+        _finish(b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h, o, a_log, scale, V, ONEPASS)
 
 
 @triton.jit
@@ -127,10 +131,7 @@ def pipe_kernel(q, k, g, v, beta, o, pool, slots, a_log, dt_bias, scale, N,
     for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
         b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h = _item(
             q, k, g, v, beta, pool, slots, dt_bias, it, n_items, H, K, V, BV, NV)
-        b_a = -tl.exp(tl.load(a_log + i_h).to(tl.float32))
-        b_h, b_o = _math(b_h, b_q, b_k, b_g, b_v, b_b, b_bias, b_a, scale, ONEPASS)
-        tl.store(o + base * V + o_v, b_o.to(o.dtype.element_ty))
-        tl.store(ptr, b_h, mask=m)
+        _finish(b_h, ptr, m, b_q, b_k, b_g, b_v, b_b, b_bias, base, o_v, i_h, o, a_log, scale, V, ONEPASS)
 
 
 def configs(interp: bool):
