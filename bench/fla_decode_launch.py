@@ -66,9 +66,10 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("fla_decode_launch times kernels: it needs a GPU")
+    from fla_kda_probes import decode_errors
+
     from target_stack.bench.timing import copy_bandwidth, graph_time, rotations
-    from target_stack.ops.kda import naive_recurrent_kda
-    from target_stack.ops.kda.testing import make_inputs, rel_err
+    from target_stack.ops.kda.testing import make_inputs
 
     versions = {"as released": load(args.tree.resolve()), "widened": load(widened_copy(args.tree.resolve()))}
     copy = copy_bandwidth()
@@ -90,11 +91,8 @@ def main() -> int:
         for name, f in versions.items():
             s = tuple(t.clone() for t in sets[0])
             before = s[5][1:].clone()
-            step(f, s)
-            qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in s[:2])
-            _, rs = naive_recurrent_kda(qn, kn, s[2].double(), s[3].double(), s[4].double(),
-                                        initial_state=before.double(), output_final_state=True)
-            errs[name] = rel_err(s[5][1:], rs)
+            out, _ = step(f, s)
+            errs[name] = decode_errors((*s[:5], before), s[5][1:], out)[0]
         for _ in range(3):
             for name, f in versions.items():
                 times[name].append(graph_time([lambda f=f, s=s: step(f, s) for s in sets]))

@@ -133,10 +133,9 @@ def provided_by(tree_roots: list[str]) -> frozenset[str]:
     return frozenset(tops)
 
 
-def preload_for(tree_roots: list[str], extra: str = "") -> tuple[str, ...]:
+def preload_for(tops: frozenset[str], extra: str = "") -> tuple[str, ...]:
     """The heavy imports to preload for a tree (this project's, and ``extra``: a manifest's ``preload``,
-    comma-separated): none that the tree (or its probe roots) provides itself."""
-    tops = provided_by(tree_roots)
+    comma-separated): none that the tree (or its probe roots) provides itself (``tops``: ``provided_by``)."""
     names = dict.fromkeys([*PRELOAD, *(n.strip() for n in extra.split(",") if n.strip())])
     return tuple(n for n in names if n.split(".")[0] not in tops)
 
@@ -266,7 +265,8 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
     if not enabled():
         return None
     tree_roots, shared_path = split_path(env.get("PYTHONPATH", ""))
-    preload = preload_for(tree_roots, env.get(PRELOAD_VAR, ""))
+    tops = provided_by(tree_roots)
+    preload = preload_for(tops, env.get(PRELOAD_VAR, ""))
     key = server_key(env, shared_path, preload)
     if key in _cold:
         return None
@@ -285,7 +285,7 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
         conn = _connect(path)
         if conn is None:
             return None
-    if clash := _imported(key) & provided_by(tree_roots):
+    if clash := _imported(key) & tops:
         conn.close()  # the server imported (an installed copy of) what this tree provides: this tree runs cold
         why = f"the warm server has imported {', '.join(sorted(clash))}, which the tree under test provides"
         if _clashes.setdefault((key, clash), why) is why:

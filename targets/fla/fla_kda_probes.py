@@ -26,14 +26,24 @@ def _inputs(batch: int, T: int, H: int, K: int, V: int):
     return q, k, v, g.float(), beta.float()
 
 
+def decode_errors(inputs, state, out) -> tuple[float, float]:
+    """(state, output) relative errors of one decode step against the float64 recurrence: ``inputs`` are
+    (q, k, v, g, beta, the states before the step), q and k normalised here as the kernel does."""
+    from target_stack.ops.kda import naive_recurrent_kda
+    from target_stack.ops.kda.testing import rel_err
+
+    q, k, v, g, beta, before = inputs
+    qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k))
+    ro, rs = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=before.double(),
+                                 output_final_state=True)
+    return rel_err(state, rs), rel_err(out, ro)
+
+
 @probe(kind="microbench")
 def decode_bench(ctx: ProbeContext) -> None:
     if not torch.cuda.is_available():
         ctx.skip("timings need a GPU")
     fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
-
-    from target_stack.ops.kda import naive_recurrent_kda
-    from target_stack.ops.kda.testing import rel_err
 
     p = ctx.params
     B, H, K, V = p["batch"], p.get("H", 32), p.get("K", 128), p.get("V", 128)
@@ -47,12 +57,9 @@ def decode_bench(ctx: ProbeContext) -> None:
                                        ssm_state_indices=slots, use_qk_l2norm_in_kernel=True)
 
     def check(before, after, out) -> float:
-        q, k, v, g, beta, pool = before
-        qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k))
-        ro, rs = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=pool[1:].double(),
-                                     output_final_state=True)
-        o = out[0] if isinstance(out, tuple) else out
-        return max(rel_err(after[-1][1:], rs), rel_err(o, ro) / 30)  # the state fp32, the output bf16
+        state_err, out_err = decode_errors((*before[:5], before[5][1:]), after[-1][1:],
+                                           out[0] if isinstance(out, tuple) else out)
+        return max(state_err, out_err / 30)  # the state fp32, the output bf16
 
     nbytes = 2 * B * H * K * V * 4 + B * H * (3 * K * 2 + K * 2 + 2 * V * 2)
     t = ctx.timed("step", make=make, call=step, check=check, bytes_moved=nbytes,
@@ -71,8 +78,7 @@ def decode_correctness(ctx: ProbeContext) -> None:
     fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
 
     from feedback.correctness import fresh_generator
-    from target_stack.ops.kda import naive_recurrent_kda
-    from target_stack.ops.kda.testing import make_inputs, rel_err
+    from target_stack.ops.kda.testing import make_inputs
 
     p = ctx.params
     H, K, V, tol = p.get("H", 2), p.get("K", 128), p.get("V", 128), float(p.get("tolerance", 1e-5))
@@ -89,11 +95,8 @@ def decode_correctness(ctx: ProbeContext) -> None:
         out = torch.full_like(v, float("nan"))
         o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
                                        ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
-        qn, kn = (torch.nn.functional.normalize(t.double(), dim=-1) for t in (q, k))
-        ro, rs = naive_recurrent_kda(qn, kn, v.double(), g.double(), beta.double(), initial_state=before.double(),
-                                     output_final_state=True)
-        scale = 1.0 if dtype == torch.float32 else 30.0  # a bf16 output's rounding, on a GPU
-        err = max(rel_err(pool[1:], rs), rel_err(o, ro) / scale)
+        state_err, out_err = decode_errors((q, k, v, g, beta, before), pool[1:], o)
+        err = max(state_err, out_err / (1.0 if dtype == torch.float32 else 30.0))  # a bf16 output's rounding
         worst = max(worst, err)
         where = dict(file="fla/ops/kda/fused_recurrent.py", symbol="fused_recurrent_kda_fwd",
                      condition=f"one pooled decode step, batch {B}, H={H}, K={K}, V={V}, {str(dtype)[6:]} inputs")
