@@ -124,3 +124,29 @@ def test_the_tile_widening_reaches_fla_decode_launch_and_its_probe_judges_it(fla
     broken = decode(fla_052)  # the last V tile of every head never computed
     assert broken["status"] == "fail"
     assert any(f["location"]["file"] == "fla/ops/kda/fused_recurrent.py" for f in broken["findings"])
+
+
+def test_a_decode_change_reruns_the_decode_probes_and_not_the_prefill_benchmark(fla_052):
+    """Each KDA probe of the manifest covers what its call imports: a change to the decode kernel selects
+    the decode probes (seconds) and not the prefill benchmark (minutes a process on a GPU), a change to the
+    chunked kernels the reverse, and every fla module the decode kernel imports is covered by its probes."""
+    import ast
+
+    from feedback.manifest import load_manifest
+    from feedback.select import select
+
+    manifest = load_manifest(fla_052, MANIFEST)
+    decode = {"fla.kda.decode.correctness", "fla.kda.decode.b1", "fla.kda.decode.b64", "fla.kda.decode.b256"}
+    assert {p.id for p in select(manifest, ["fla/ops/kda/fused_recurrent.py"])} == decode
+    chunked = [p.relative_to(fla_052).as_posix() for p in (fla_052 / "fla/ops/kda").glob("chunk*.py")]
+    assert chunked
+    assert {p.id for p in select(manifest, chunked)} == {"fla.kda.prefill.t4096"}
+    probe = next(p for p in manifest.probes if p.id == "fla.kda.decode.correctness")
+    src = (fla_052 / "fla/ops/kda/fused_recurrent.py").read_text()
+    imported = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("fla")}
+    assert imported
+    for mod in imported:
+        path = mod.replace(".", "/")
+        file = f"{path}.py" if (fla_052 / f"{path}.py").exists() else f"{path}/__init__.py"
+        assert probe.covers.matches(file), f"the decode probes do not cover {file}, which the decode kernel imports"
