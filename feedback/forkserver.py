@@ -13,8 +13,9 @@ gets, so nothing changes for a verdict:
   of it, pulled in by a preloaded library) is not used for that tree;
 * a manifest's ``preload`` names more third-party modules for the server to import (fla's probes pay
   ~3 s of ``torch._dynamo`` and ``torch._inductor`` imports each on a CPU): one server per such list;
-  a server whose imports opened the GPU driver (CUDA initialised: no fork could use the GPU) refuses
-  to serve, and the probes run cold;
+  a module whose import opens the GPU driver (CUDA initialised: no fork could use the GPU) is found
+  by the server itself, which checks after each import and refuses to serve, naming it; the harness
+  then starts a server without that module (said once on stderr), so the rest stay warm;
 * the environment at import time is the probe's own: there is one server per environment (less
   the variables that differ from probe to probe: the import path, the probe id, the harness pid and
   the timing witness; and those read only where they are used, ``TRITON_CACHE_DIR``), so a variable
@@ -72,6 +73,9 @@ VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})
 #: server is shared across them, and each probe still runs with its own value (the Ray executor gives
 #: every worker a Triton cache of its own, and its workers on a node then share one warm server)
 READ_AT_USE = frozenset({"TRITON_CACHE_DIR"})
+#: device files a process holds open once it has initialised a GPU's runtime (NVIDIA's, AMD's KFD); more,
+#: comma-separated, in ``INFRA_AGENT_FORKSERVER_DRIVERS``
+DRIVER_FILES = ("/dev/nvidia", "/dev/kfd")
 #: the heavy imports every probe of this project pays for; a tree's own copy of one is never preloaded
 PRELOAD = ("numpy", "torch", "triton", "triton.language")
 #: a manifest's ``preload``: more third-party modules for the server to import (comma-separated)
@@ -175,6 +179,9 @@ class Forked:
 
 _lock = threading.Lock()
 _cold: dict[str, str] = {}  # servers that could not start: key -> why (their probes run cold in this process)
+_opens_driver: dict[str, str] = {}  # preloaded modules whose import opened a GPU driver -> the file (never preloaded)
+#: the line a server that refuses to serve for this reason writes last: the module and the file
+_DRIVER_MARK = "opened-gpu-driver:"
 _modules: dict[str, frozenset[str]] = {}  # key -> the top-level modules its server imported
 _clashes: dict[tuple[str, frozenset[str]], str] = {}  # (key, modules a tree provides) already reported
 _started: list[subprocess.Popen] = []  # the servers this process started: a running child's Popen must not be
@@ -213,6 +220,14 @@ def _connect(path: pathlib.Path) -> socket.socket | None:
         return None
 
 
+class DriverOpened(Exception):
+    """A preloaded module's import opened a GPU driver in the server (which then refused to serve)."""
+
+    def __init__(self, module: str, file: str):
+        super().__init__(f"importing {module} opened the GPU driver ({file})")
+        self.module, self.file = module, file
+
+
 def _start(key: str, path: pathlib.Path, env: dict[str, str], shared_path: list[str],
            preload: tuple[str, ...]) -> str | None:
     """Start the server of ``key`` (listening on ``path``) unless one answers there already (one starter at a
@@ -243,6 +258,8 @@ def _start(key: str, path: pathlib.Path, env: dict[str, str], shared_path: list[
                 return None
             if proc.poll() is not None:
                 tail = (files / f"{key}.log").read_text(errors="replace").strip().splitlines()[-3:]
+                if tail and tail[-1].startswith(_DRIVER_MARK) and len(mark := tail[-1].split(maxsplit=2)) == 3:
+                    raise DriverOpened(mark[1], mark[2])
                 return f"the fork server exited with status {proc.returncode}: " + " | ".join(tail)
             time.sleep(0.02)
         proc.kill()
@@ -266,18 +283,31 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
         return None
     tree_roots, shared_path = split_path(env.get("PYTHONPATH", ""))
     tops = provided_by(tree_roots)
-    preload = preload_for(tops, env.get(PRELOAD_VAR, ""))
-    key = server_key(env, shared_path, preload)
-    if key in _cold:
-        return None
-    path = socket_path(key)
-    if path is None:
-        _cold[key] = f"no folder for a unix socket (the state home {state_home()} is too deep, /tmp unusable)"
-        return None
-    conn = _connect(path)
-    if conn is None:
-        with _lock:
-            why = _start(key, path, env, shared_path, preload)
+    wanted = preload_for(tops, env.get(PRELOAD_VAR, ""))
+    while True:  # at most once more per module that turns out to open a GPU driver
+        preload = tuple(n for n in wanted if n not in _opens_driver)
+        key = server_key(env, shared_path, preload)
+        if key in _cold:
+            return None
+        path = socket_path(key)
+        if path is None:
+            _cold[key] = f"no folder for a unix socket (the state home {state_home()} is too deep, /tmp unusable)"
+            return None
+        conn = _connect(path)
+        if conn is not None:
+            break
+        try:
+            with _lock:
+                why = _start(key, path, env, shared_path, preload)
+        except DriverOpened as exc:
+            if exc.module not in preload:  # the harness's own modules: nothing to leave out
+                _cold[key] = str(exc)
+                print(f"infra-agent: probes run cold: {exc}", file=sys.stderr)
+                return None
+            _opens_driver[exc.module] = exc.file
+            print(f"infra-agent: the warm probe server leaves out {exc.module}: {exc} there, and a forked "
+                  "probe could not use the GPU (its probes import it themselves)", file=sys.stderr)
+            continue
         if why is not None:
             _cold[key] = why
             print(f"infra-agent: probes run cold: {why}", file=sys.stderr)
@@ -285,6 +315,7 @@ def spawn(worker_args: list[str], env: dict[str, str], cwd: str, witness_fd: int
         conn = _connect(path)
         if conn is None:
             return None
+        break
     if clash := _imported(key) & tops:
         conn.close()  # the server imported (an installed copy of) what this tree provides: this tree runs cold
         why = f"the warm server has imported {', '.join(sorted(clash))}, which the tree under test provides"
@@ -455,12 +486,15 @@ def serve(path: str, pidfile: str, preload: list[str]) -> int:
     """Import, listen on ``path``, fork a monitor per connection, until idle or displaced."""
     shared = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     rest = [p for p in sys.path[1:] if p not in shared]  # the interpreter's own path (stdlib, site-packages)
+    drivers = (*DRIVER_FILES, *filter(None, os.environ.get("INFRA_AGENT_FORKSERVER_DRIVERS", "").split(",")))
     for name in [*preload, *HARNESS_MODULES]:
         importlib.import_module(name)
-    if opened := opened_files("/dev/nvidia"):  # a process that initialised CUDA cannot hand it to a fork
-        print(f"preloading {', '.join(preload)} opened the GPU driver ({opened[0]}): a forked probe could not use "
-              "the GPU", file=sys.stderr)
-        return 3
+        # a process that initialised a GPU runtime cannot hand it to a fork: name the import that did it
+        if opened := [f for prefix in drivers for f in opened_files(prefix)]:
+            print(f"importing {name} opened the GPU driver ({opened[0]}): a forked probe could not use the GPU",
+                  file=sys.stderr)
+            print(f"{_DRIVER_MARK} {name} {opened[0]}", file=sys.stderr)
+            return 3
     # every top-level module the server holds, which no probe's tree may provide (spawn checks it)
     tops = sorted({name.split(".")[0] for name in sys.modules})
     modules = pathlib.Path(pidfile).with_suffix(".modules")

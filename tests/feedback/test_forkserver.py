@@ -240,3 +240,48 @@ def test_the_server_sees_the_files_it_holds_open(tmp_path):
     with open(held, "w"):
         assert forkserver.opened_files(str(tmp_path)) == [str(held)]
     assert forkserver.opened_files(str(tmp_path)) == []
+
+
+DRIVER_PROBE = '''
+import sys
+WARM = "torch" in sys.modules
+MIME = "email.mime.text" in sys.modules
+OPENER = "opensdriver" in sys.modules
+from feedback.probe import probe
+
+@probe(kind="correctness")
+def check(ctx):
+    ctx.metric("warm", float(WARM))
+    ctx.metric("mime_preloaded", float(MIME))
+    ctx.metric("opener_preloaded", float(OPENER))
+'''
+
+
+def test_a_preload_that_opens_the_gpu_driver_is_left_out_and_the_rest_stay_warm(tmp_path, home, monkeypatch,
+                                                                                capfd):
+    """On a GPU machine ``torch._inductor.compile_fx`` opened ``/dev/nvidiactl`` at import (fla's manifest,
+    2026-12-03): a server holding the driver cannot hand the GPU to a fork.  The server names the import
+    that opened it, and the harness starts one without that module; the others stay preloaded, the probe
+    runs warm and imports the left-out module itself."""
+    driver = tmp_path / "fake-driver"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "opensdriver.py").write_text(f"HANDLE = open({str(driver) + 'ctl'!r}, 'w')  # held, as a runtime would\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("INFRA_AGENT_FORKSERVER_DRIVERS", str(driver))
+    monkeypatch.setattr(forkserver, "_opens_driver", {})
+    root = tmp_path / "t"
+    (root / "pre").mkdir(parents=True)
+    (root / "pre" / "__init__.py").write_text("")
+    (root / "pre" / "probe.py").write_text(DRIVER_PROBE)
+    (root / "infra-agent.yaml").write_text(
+        "schema_version: 1\nname: pre\npython_path: ['.']\npreload: [email.mime.text, opensdriver]\nprobes:\n"
+        "  - {id: pre.probe, kind: correctness, entry: 'pre.probe:check'}\n")
+    first = _run(root)
+    assert first == {"warm": 1.0, "mime_preloaded": 1.0, "opener_preloaded": 0.0}
+    assert forkserver._opens_driver == {"opensdriver": str(driver) + "ctl"}
+    err = capfd.readouterr().err
+    assert err.count("leaves out opensdriver") == 1 and "fake-driverctl" in err
+    assert _run(root) == first  # the next probe goes straight to the server without it
+    assert "leaves out" not in capfd.readouterr().err
+    assert len(forkserver.servers(home)) == 1
