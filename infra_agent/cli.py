@@ -316,6 +316,33 @@ review_app = typer.Typer(help="The review queue: patches held by the risk gate, 
 app.add_typer(review_app, name="review")
 
 
+def _terminate_as_interrupt():
+    """SIGTERM (``timeout``, a batch scheduler, ``kill``) stops a session as Ctrl-C does: the probe processes
+    killed, the attempts so far recorded, the summary written and printed, exit code 130.  A second SIGTERM
+    kills outright.  Installed only where a handler can be (the main thread)."""
+    import contextlib
+    import signal
+    import threading
+
+    @contextlib.contextmanager
+    def installed():
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def stop(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return installed()
+
+
 def _executor(kind: str, address: str | None, jobs: int):
     """Where probes run, as a context manager: nothing (local subprocesses) or a Ray executor."""
     import contextlib
@@ -637,7 +664,7 @@ def run(
 
     Exit code 0: the session finished with no failing probe left unaddressed (fixed, or held for
     review) and, for a scenario, its acceptance holding; 1: not so; 2: usage error; 130: interrupted
-    (everything so far is kept).
+    by Ctrl-C or SIGTERM (everything so far is kept, the summary printed).
     """
     import json
 
@@ -647,7 +674,7 @@ def run(
     if resume:
         if scenario:
             fail("--resume goes on with a session as it was started; --scenario starts a new one")
-        with _executor(executor, address, jobs) as ex:
+        with _terminate_as_interrupt(), _executor(executor, address, jobs) as ex:
             return _resume(resume, target, goal, backend, model, base_url, trajectory, max_steps, time_limit, jobs,
                            as_json, ex)
     backend = backend or default_backend()
@@ -662,7 +689,7 @@ def run(
     except ScenarioError as exc:
         fail(str(exc))
     summaries: list[dict] = []
-    with _executor(executor, address, jobs) as ex:
+    with _terminate_as_interrupt(), _executor(executor, address, jobs) as ex:
         _run_sessions(chosen, summaries, target, manifest_file, backend, model, base_url, trajectory, goal,
                       max_steps, time_limit, jobs, as_json, ex, parallel)
     outcome = summaries[-1]["outcome"] if summaries else "finished"

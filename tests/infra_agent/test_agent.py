@@ -165,7 +165,10 @@ def slow(ctx):
 """
 
 
-def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path, sig):
+    """Ctrl-C, or SIGTERM as ``timeout`` and batch schedulers send it: the probe killed, the session's
+    record and summary kept, the summary printed, exit code 130."""
     import signal
     import time
 
@@ -185,9 +188,10 @@ def test_ctrl_c_stops_cleanly_keeps_the_record_and_kills_probes(tmp_path):
         time.sleep(0.2)
     assert pid_file.exists(), "the probe never started"
     t0 = time.time()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
+    assert "interrupted" in out  # the summary printed
     assert time.time() - t0 < 15
     (session,) = list(StateDir.for_target(root).workspaces.glob("*/session.json"))
     summary = json.loads((session.parent / "summary.json").read_text())
