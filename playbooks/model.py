@@ -176,6 +176,8 @@ class Applicability(BaseModel):
     # failing probe comes before an optimisation a passing one suggests
     evidence_probes: list[str] = Field(default_factory=list)
     for_a_failure: bool = False
+    # the probe each entry of ``evidence`` came from (where it applies)
+    evidence_by: list[str] = Field(default_factory=list)
 
 
 def _match_code(pattern: CodePattern, tree: pathlib.Path) -> list[CodeMatch]:
@@ -256,7 +258,8 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path,
     evidence = [e for _, e in hits]
     return Applicability(playbook=pb.id, applies=True, evidence=evidence, code_matches=matches,
                          reason=f"applies: {evidence[0]}" + (f"; code {matches[0]}" if matches else ""),
-                         evidence_probes=probes, for_a_failure=any(status.get(p) == "fail" for p in probes))
+                         evidence_probes=probes, for_a_failure=any(status.get(p) == "fail" for p in probes),
+                         evidence_by=[p for p, _ in hits])
 
 
 def _scope(probes: list[str], report: FeedbackReport, covers: dict[str, list[str]]) -> set[str] | None:

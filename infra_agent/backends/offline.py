@@ -11,6 +11,9 @@ the playbooks declare.
 
 from __future__ import annotations
 
+import fnmatch
+
+from feedback.select import files_in_diff
 from infra_agent.agent import AgentState
 from infra_agent.tools import Action
 from playbooks.model import Applicability, Playbook, evaluate, load_library, run_transform
@@ -58,8 +61,8 @@ class OfflineBackend:
             if not diff.strip():
                 notes.append(f"{pb.id} applies but its transform changed nothing")
                 continue
-            hypothesis = (f"{pb.title}. Evidence: {'; '.join(app.evidence[:3])}. "
-                          f"Code: {', '.join(str(m) for m in app.code_matches[:3])}.")
+            evidence, code = self._cited(app, diff)
+            hypothesis = f"{pb.title}. Evidence: {'; '.join(evidence[:3])}. Code: {', '.join(map(str, code[:3]))}."
             return Action("propose_patch", {"hypothesis": hypothesis, "diff": diff, "playbook_id": pb.id})
         accepted = [a for a in state.attempts if a.decision == "accepted"]
         held = [a for a in state.attempts if a.decision == "held"]
@@ -82,6 +85,22 @@ class OfflineBackend:
             if app.applies and (diff := self._diff(pb, app)).strip():
                 out.append(Action("propose_patch", {"hypothesis": pb.title, "diff": diff, "playbook_id": pb.id}))
         return out
+
+    def _cited(self, app: Applicability, diff: str) -> tuple[list[str], list]:
+        """What a proposal cites: the code its diff changed, and the evidence of the probes about those files
+        (a playbook's pattern can match, and its evidence come from, files its transform then leaves alone);
+        everything the playbook found where none of it is about the changed files."""
+        changed = set(files_in_diff(diff))
+        code = [m for m in app.code_matches if m.file in changed] or app.code_matches
+        covers = self._covers() or {}
+
+        def about(probe: str) -> bool:
+            globs = covers.get(probe)
+            return globs is None or any(fnmatch.fnmatchcase(f, g) or f == g for f in changed for g in globs)
+
+        by = app.evidence_by if len(app.evidence_by) == len(app.evidence) else [""] * len(app.evidence)
+        evidence = [e for p, e in zip(by, app.evidence, strict=True) if not p or about(p)] or app.evidence
+        return evidence, code
 
     def _diff(self, pb: Playbook, app) -> str:
         scratch = self.ws.new_candidate()

@@ -120,3 +120,73 @@ def test_the_policy_answers_the_failing_probe_first_and_reads_covers_from_the_ma
         assert "pkg/decode/step.py" in second.args["diff"] and "pkg/norms" not in second.args["diff"]
     finally:
         ws.close()
+
+
+TILED = '''import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def step_kernel(q, h, o, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    o_k, o_v = tl.arange(0, K), i_v * BV + tl.arange(0, BV)
+    b_q = tl.load(q + i_n * K + o_k).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+    b_h = tl.load(h + i_n * K * V + o_k[:, None] * V + o_v[None, :])
+    tl.store(o + i_n * V + o_v, tl.sum(b_h * b_q[:, None], axis=0))
+
+
+def step(q, h):
+    N, K = q.shape
+    V = h.shape[-1]
+    BV = 8
+    o = torch.empty(N, V, device=q.device)
+    step_kernel[(triton.cdiv(V, BV), N)](q, h, o, K=K, V=V, BV=BV)
+    return o
+'''
+NORM = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def l2norm_kernel(x, y, D: tl.constexpr):
+    i_t = tl.program_id(0)
+    b_x = tl.load(x + i_t * D + tl.arange(0, D)).to(tl.float32)
+    tl.store(y + i_t * D + tl.arange(0, D), b_x * tl.rsqrt(tl.sum(b_x * b_x) + 1e-6))
+'''
+
+
+def test_a_proposal_cites_the_code_its_diff_changes_and_the_evidence_about_it(tmp_path):
+    """fla 0.6.0 on an H200 (2026-12-03): the tile widening rewrote only the decode kernel's launch, but its
+    hypothesis cited the prefill benchmark's bandwidth and two l2norm kernels (the pattern matched there
+    too, in files the prefill benchmark covers, and the transform left them alone). A proposal cites the
+    code its diff changes and the evidence of the probes about those files."""
+    files = {**FILES, "pkg/decode/step.py": TILED, "pkg/norms/l2.py": NORM}
+    root = _repo(tmp_path, files)
+    (root / "infra-agent.yaml").write_text(
+        MANIFEST + '  - {id: ext.prefill.bench, kind: microbench, entry: "pkg.bench:decode", '
+                   'covers: {files: ["pkg/norms/*.py"]}}\n')
+    repo = git.Repo(root)
+    repo.git.add(A=True)
+    repo.index.commit("prefill bench", author=ACTOR, committer=ACTOR)
+    report = FeedbackReport(target="ext", candidate="base", results=[
+        ProbeResult(probe="ext.prefill.bench", status=Status.passed, metrics={"bandwidth_vs_copy": Metric(value=0.07)}),
+        ProbeResult(probe="ext.decode.bench", status=Status.passed, metrics={"bandwidth_vs_copy": Metric(value=0.11)})])
+    ws = GitWorkspace.external(root, "cite")
+    try:
+        backend = OfflineBackend(ws, {"fuse-v-tiles": load_library()["fuse-v-tiles"]})
+        state = AgentState(goal="g", messages=[], feedback=report, tree=ws.baseline().path, attempts=[], step=0)
+        action = backend.next_action(state)
+        assert action.name == "propose_patch" and action.args["playbook_id"] == "fuse-v-tiles", action.args
+        assert "pkg/decode/step.py" in action.args["diff"] and "pkg/norms" not in action.args["diff"]
+        evidence, code = action.args["hypothesis"].split(". Evidence: ")[1].split(". Code: ")
+        assert "ext.decode.bench.bandwidth_vs_copy" in evidence and "ext.prefill" not in evidence
+        assert "pkg/decode/step.py" in code and "pkg/norms" not in code
+        app = evaluate(load_library()["fuse-v-tiles"], report, ws.baseline().path,
+                       {"ext.decode.bench": ["pkg/decode/*.py"], "ext.prefill.bench": ["pkg/norms/*.py"]})
+        assert {m.file for m in app.code_matches} == {"pkg/decode/step.py", "pkg/norms/l2.py"}  # what it matched
+        assert app.evidence_by == ["ext.prefill.bench", "ext.decode.bench"]
+    finally:
+        ws.close()
