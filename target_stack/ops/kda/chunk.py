@@ -229,9 +229,10 @@ def _kda_state_kernel(
     if USE_INITIAL_STATE:
         b_S += tl.load(h0 + (i_n * H + i_h) * K * V + off_kv, mask=m_kv, other=0.0).to(tl.float32)
 
-    i_c = 0
-    t0 = bos
-    while t0 < eos:
+    # a counted loop (not ``while``): Triton software-pipelines it, so the next chunk's w, u and kd
+    # loads are in flight while this chunk's products run
+    for i_c in range(0, tl.cdiv(eos - bos, BT)):
+        t0 = bos + i_c * BT
         tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         m_t = (t0 + rows) < eos
         m_tk = m_t[:, None] & m_k[None, :]
@@ -247,8 +248,6 @@ def _kda_state_kernel(
         g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_kd = tl.load(kd + off_tk, mask=m_tk, other=0.0)  # k exp(G_last - G), zero past the end
         b_S = b_S * tl.exp(g_last)[:, None] + _dot(tl.trans(b_kd), b_vn, LOWP, DOT_PRECISION)
-        i_c += 1
-        t0 += BT
 
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h) * K * V + off_kv, b_S, mask=m_kv)
@@ -409,11 +408,15 @@ def chunk_kda_fwd(
     ht = alloc(n_seq, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     NV = triton.cdiv(V, BV)
+    # pipelined: the next chunks' w, u and kd loads in flight during this chunk's products.  On an H200 at
+    # 4096 tokens (H=16, K=V=128, bf16) the kernel took 167 us as a while loop, 134 / 109 / 111 us over
+    # 2 / 3 / 4 stages; BV=32 and 4 warps stay the fastest (bench/RESULTS.md, 2026-12-03).  fp32 operands
+    # take two: three stages of their tiles (72 KB each at K=128) would not fit the shared memory
     _kda_state_kernel[(NV, n_seq, H)](
         kd, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=3 if lowp else 2,
     )
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
