@@ -69,13 +69,13 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     if torch.cuda.is_available():  # where there is a GPU the kernels take its tensors (and the MoE its GPU form)
         model = model.cuda()
     from target_stack.model.kda_layer import KDALayer
-    from target_stack.model.layers import RMSNorm
+    from target_stack.model.layers import MoE, RMSNorm
 
     for block in model.blocks:  # the GPU's forms: Triton KDA kernels and norms
         if not block.is_attn:
             block.mixer.backend = "triton"
     for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
-        if isinstance(module, RMSNorm | KDALayer):
+        if isinstance(module, RMSNorm | KDALayer | MoE):
             module.fused = fused
     engine = LLMEngine(model)
     gen = torch.Generator().manual_seed(1)

@@ -21,6 +21,8 @@ from target_stack.ops.moe import (
     sort_pairs,
 )
 from target_stack.ops.moe.native import HostLayout, moe_dispatch_combine
+from target_stack.ops.moe.route import MAX_TOKENS as ROUTE_KERNEL_TOKENS
+from target_stack.ops.moe.route import moe_route
 from target_stack.ops.norm import rms_norm
 
 
@@ -75,6 +77,7 @@ class MoE(torch.nn.Module):
         self.top_k = top_k
         self.backend = backend  # 'native': the compiled dispatch/expert/combine step on CPU fp32 inputs
         self.grouped = True  # False: the per-expert loop even where grouped GEMMs work (a plain-eager baseline)
+        self.fused: bool | None = False  # the one-launch router (ops/moe/route.py): always, never, None: on a GPU
         self._stacked: tuple | None = None
         self._grouped_cache: tuple | None = None
         self._host_layout: HostLayout | None = None
@@ -85,6 +88,8 @@ class MoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]): sigmoid scores, top-k chosen with the bias, normalised."""
+        if (x.is_cuda if self.fused is None else self.fused) and x.shape[0] <= ROUTE_KERNEL_TOKENS:
+            return moe_route(x, self.router, self.router_bias, self.top_k)  # one launch instead of eleven
         scores = torch.sigmoid(F.linear(x.float(), self.router.float()))
         _, idx = torch.topk(scores + self.router_bias.float(), self.top_k, dim=-1)
         w = scores.gather(-1, idx)

@@ -45,7 +45,8 @@ class ModelConfig:
     # the KDA layers' recurrent state in the decode pool: fp32, or bf16 (a reduced-byte state: half the bytes
     # a decode step moves, rounded once per step; a numerics change a person approves, never the default)
     kda_state_dtype: str = "fp32"
-    # the one-launch decode inputs and norms (ops/kda/decode_inputs.py, ops/norm.py) on the Triton path: a
+    # the one-launch decode inputs, norms and MoE router (ops/kda/decode_inputs.py, ops/norm.py, ops/moe/route.py)
+    # on the Triton path (the router and norms on a GPU, decode-sized batches for the router): a
     # graph-captured bench-preset decode step on an H200 took 3.76 instead of 4.95 ms at batch 1
     # (bench/engine_gpu.py, 2026-12-02); bench/decode_ops.py counts the launches they save
     fused_kernels: bool = True
@@ -192,11 +193,11 @@ class HybridModel(torch.nn.Module):
         self.set_fused_kernels(cfg.fused_kernels)
 
     def set_fused_kernels(self, on: bool) -> None:
-        """The one-launch Triton norms and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
+        """The one-launch Triton norms, MoE router and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
 
         A CUDA graph captured before the switch keeps the kernels it was captured with."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, RMSNorm | MoE):
                 module.fused = None if on else False  # on: on a GPU
             elif isinstance(module, KDALayer):
                 module.fused = bool(on)  # on its Triton path

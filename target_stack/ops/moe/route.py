@@ -1,0 +1,80 @@
+"""The MoE router in one Triton launch: scores, top-k choice and normalised weights.
+
+    scores = sigmoid(x @ router^T)                      (fp32, [T, E])
+    idx    = top-k of (scores + bias)                   (the bias steers the choice only)
+    w      = scores[idx] / sum(scores[idx])             (the weights use the unbiased scores)
+
+In torch this is eleven launches per MoE layer (the casts of x, the router and the bias to fp32, the
+product, the sigmoid, the add, the top-k, the gather, the sum, the clamp, the division): a decode
+step at batch 1 runs one router per MoE layer around almost no work, which is what bounds it
+(``bench/decode_ops.py`` counts them).  One program per token reads the router's [E, D] weights
+once, accumulates the E scores in fp32 and picks the k largest by repeated arg-max (ties: the lower
+expert id, as ``torch.topk`` on a sorted order does in practice).  Each program re-reads the router,
+so the layer uses this form for decode-sized batches only (``MAX_TOKENS``); a prefill's matmul form
+reads it once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from target_stack.ops.utils import CachedLaunch
+
+MAX_TOKENS = 512  # above this a prefill's batched matmul reads the router once and wins
+
+
+@triton.jit
+def _route_kernel(x, router, bias, w_out, idx_out, D, E: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                  TOPK: tl.constexpr, BK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    acc = tl.zeros([BE], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m_d = o_d < D
+        xv = tl.load(x + t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        wv = tl.load(router + o_e[:, None] * D + o_d[None, :], mask=m_e[:, None] & m_d[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
+    scores = tl.sigmoid(acc)
+    pick = tl.where(m_e, scores + tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32), float("-inf"))
+    o_k = tl.arange(0, BK)
+    ids = tl.zeros([BK], dtype=tl.int64)
+    ws = tl.zeros([BK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.argmax(pick, axis=0)
+        ids = tl.where(o_k == j, best.to(tl.int64), ids)
+        ws = tl.where(o_k == j, tl.sum(tl.where(o_e == best, scores, 0.0), axis=0), ws)
+        pick = tl.where(o_e == best, float("-inf"), pick)
+    ws = ws / tl.maximum(tl.sum(ws, axis=0), 1e-9)
+    tl.store(w_out + t * TOPK + o_k, ws, mask=o_k < TOPK)
+    tl.store(idx_out + t * TOPK + o_k, ids, mask=o_k < TOPK)
+
+
+_launch = CachedLaunch(_route_kernel)
+
+
+def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) for x [T, D], router [E, D], bias [E], in one launch."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D], got shape {tuple(x.shape)}")
+    T, D = x.shape
+    E = router.shape[0]
+    if router.shape != (E, D) or bias.shape != (E,):
+        raise ValueError(f"router must be [E, {D}] and bias [E], got {tuple(router.shape)} and {tuple(bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
+    x, router, bias = x.contiguous(), router.contiguous(), bias.contiguous()
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T:
+        BE = max(triton.next_power_of_2(E), 2)
+        BD = max(16, min(triton.next_power_of_2(D), 8192 // BE))  # an [E, BD] slice of the router per step
+        key = (D, E, top_k, x.dtype, router.dtype, bias.dtype, x.device)
+        _launch((T, 1, 1), key, (x, router, bias, w, idx, D),
+                dict(E=E, BE=BE, BD=BD, TOPK=top_k, BK=max(triton.next_power_of_2(top_k), 2),
+                     num_warps=4 if BE * BD >= 4096 else 1))
+    return w, idx
