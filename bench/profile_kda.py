@@ -47,12 +47,11 @@ def prefill(T=4096, H=16, K=128, V=128):
             print(f"  {name}: {type(e).__name__} {str(e)[:100]}")
 
     timed("cumsum", lambda: C._kda_cumsum_kernel[(NT, H)](g, gc, cu, seq, pos, H=H, K=K, BT=BT, BK=BK))
-    for BKC in (8, 16, 32):
-        for nw in (1, 2, 4):
-            for lowp in (True, False):
-                timed(f"blocks BKC={BKC} warps={nw} lowp={lowp}", lambda: C._kda_intra_block_kernel[(NT, 10, H)](
-                    q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, BKC=BKC, NC=4,
-                    LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
+    for nw in (1, 2, 4, 8):
+        for lowp in (True, False):
+            timed(f"blocks warps={nw} lowp={lowp}", lambda: C._kda_intra_block_kernel[(NT, 10, H)](
+                q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, NC=4,
+                LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
     kd = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda")
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     wb, ub = torch.empty(1, T, H, K, **bf16), torch.empty(1, T, H, V, **bf16)
