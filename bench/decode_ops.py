@@ -14,7 +14,8 @@ The step is ``ModelRunner.decode_step(static=True)`` (the form a CUDA graph capt
 prefill of a random prompt and one uncounted step, in the forms a GPU runs (Triton KDA kernels and
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
 the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
-decode inputs and norms) and without them, side by side.
+decode inputs, norms and MoE router; and the two-launch decode attention, opt-in until a GPU has run it)
+and without them, side by side.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
         model = model.cuda()
     from target_stack.model.kda_layer import KDALayer
     from target_stack.model.layers import MoE, RMSNorm
+    from target_stack.model.model import SparseAttentionLayer
 
     for block in model.blocks:  # the GPU's forms: Triton KDA kernels and norms
         if not block.is_attn:
             block.mixer.backend = "triton"
-    for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
-        if isinstance(module, RMSNorm | KDALayer | MoE):
+    for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels, and the decode attention), or not
+        if isinstance(module, RMSNorm | KDALayer | MoE | SparseAttentionLayer):
             module.fused = fused
     engine = LLMEngine(model)
     gen = torch.Generator().manual_seed(1)

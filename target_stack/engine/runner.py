@@ -130,7 +130,8 @@ class ModelRunner:
                 cache = self.kv[i]
                 cache.write(page, offset, k, v, ik)
                 ks, vs, iks = cache.gather(table, q.dtype)
-                o = sparse_decode_attention(q, ks, vs, iq, iks, lengths, cfg.block, cfg.top_k_blocks, cfg.window)
+                o = sparse_decode_attention(q, ks, vs, iq, iks, lengths, cfg.block, cfg.top_k_blocks, cfg.window,
+                                            fused=block.mixer.fused)
                 mix = F.linear(o.reshape(o.shape[0], -1), block.mixer.w_o)[:, None]
             else:
                 pool = self.states[i]

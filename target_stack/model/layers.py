@@ -24,6 +24,7 @@ from target_stack.ops.moe.native import HostLayout, moe_dispatch_combine
 from target_stack.ops.moe.route import MAX_TOKENS as ROUTE_KERNEL_TOKENS
 from target_stack.ops.moe.route import moe_route
 from target_stack.ops.norm import rms_norm
+from target_stack.ops.sparse_decode import sparse_decode_attention_kernel
 
 
 class RMSNorm(torch.nn.Module):
@@ -219,13 +220,16 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: t
 
 def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx_q: torch.Tensor,
                             idx_k: torch.Tensor, lengths: torch.Tensor, block: int, top_k: int,
-                            window: int) -> torch.Tensor:
+                            window: int, fused: bool | None = False) -> torch.Tensor:
     """The last row of :func:`sparse_attention` for a batch of sequences of different lengths.
 
     q [B, H, D] and idx_q [B, Di] belong to each sequence's newest token at position lengths - 1;
     k, v [B, L, H, D] and idx_k [B, L, Di] hold its keys, padded past ``lengths`` (ignored).
-    No host synchronisation: a decode step stays capturable in a CUDA graph.
+    No host synchronisation: a decode step stays capturable in a CUDA graph.  ``fused``: the two-launch
+    Triton form (``ops/sparse_decode.py``) always, never, or (None) on a GPU.
     """
+    if q.is_cuda if fused is None else fused:
+        return sparse_decode_attention_kernel(q, k, v, idx_q, idx_k, lengths, block, top_k, window)
     B, L, H, D = k.shape
     nb = math.ceil(L / block)
     pos = torch.arange(L, device=q.device)

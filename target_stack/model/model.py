@@ -46,9 +46,9 @@ class ModelConfig:
     # a decode step moves, rounded once per step; a numerics change a person approves, never the default)
     kda_state_dtype: str = "fp32"
     # the one-launch decode inputs, norms and MoE router (ops/kda/decode_inputs.py, ops/norm.py, ops/moe/route.py)
-    # on the Triton path (the router and norms on a GPU, decode-sized batches for the router): a
-    # graph-captured bench-preset decode step on an H200 took 3.76 instead of 4.95 ms at batch 1
-    # (bench/engine_gpu.py, 2026-12-02); bench/decode_ops.py counts the launches they save
+    # on the Triton path (on a GPU; the router for decode-sized batches): with the first two a graph-captured
+    # bench-preset decode step on an H200 took 3.76 instead of 4.95 ms at batch 1 (bench/engine_gpu.py,
+    # 2026-12-02); bench/decode_ops.py counts the launches they save
     fused_kernels: bool = True
     seed: int = 0
 
@@ -130,6 +130,9 @@ class SparseAttentionLayer(torch.nn.Module):
         self.w_qkv = torch.nn.Parameter(torch.randn(3 * h * hd, d, generator=generator) * d**-0.5)
         self.w_idx = torch.nn.Parameter(torch.randn(2 * cfg.index_dim, d, generator=generator) * d**-0.5)
         self.w_o = torch.nn.Parameter(torch.randn(d, h * hd, generator=generator) * (h * hd) ** -0.5)
+        # decode: the two-launch Triton attention (ops/sparse_decode.py) always, never, None: on a GPU.  Off, and
+        # outside fused_kernels, until a GPU has compiled and timed it (only the interpreter has run it so far)
+        self.fused: bool | None = False
 
     def project(self, x: torch.Tensor):
         """q, k, v [T, H, D] and the indexer's query and key [T, Di] for tokens x [T, dim]."""
@@ -193,7 +196,7 @@ class HybridModel(torch.nn.Module):
         self.set_fused_kernels(cfg.fused_kernels)
 
     def set_fused_kernels(self, on: bool) -> None:
-        """The one-launch Triton norms, MoE router and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
+        """The Triton norms, MoE router and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
 
         A CUDA graph captured before the switch keeps the kernels it was captured with."""
         for module in self.modules():

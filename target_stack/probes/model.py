@@ -23,6 +23,8 @@ KDA_LAYER = "target_stack/model/kda_layer.py"
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 DECODE_INPUTS = "target_stack/ops/kda/decode_inputs.py"
+SPARSE_DECODE = "target_stack/ops/sparse_decode.py"
+ROUTE = "target_stack/ops/moe/route.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
 NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
@@ -162,9 +164,19 @@ def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, bac
 
 
 def _check_route(chk: Checker, moe, x: torch.Tensor, clear: torch.Tensor, cond: str) -> None:
-    """The chosen experts (as a set) and their normalised weights, token by token."""
+    """The chosen experts (as a set) and their normalised weights, token by token: the torch form and the
+    one-launch router kernel (``ops/moe/route.py``)."""
+    for fused, file in ((False, LAYERS), (True, ROUTE)):
+        moe.fused = fused
+        try:
+            symbol = "MoE.route (moe_route)" if fused else "MoE.route"
+            _check_route_form(chk, moe, x, clear, dict(file=file, symbol=symbol, condition=cond))
+        finally:
+            moe.fused = False
+
+
+def _check_route_form(chk: Checker, moe, x: torch.Tensor, clear: torch.Tensor, where: dict) -> None:
     w_ref, idx_ref, _ = ref.moe_route(f64(x), moe)
-    where = dict(file=LAYERS, symbol="MoE.route", condition=cond)
     with chk.guard(**where), torch.no_grad():
         w, idx = moe.route(x)
         w, idx = f64(w)[clear], idx.cpu()[clear]
@@ -217,15 +229,16 @@ def _check_sparse_attention(ctx: ProbeContext, chk: Checker, draw: Draw) -> None
         if edge >= 0 and edge // blk != (n - 1) // blk:
             lo = (edge // blk) * blk
             ikb[b, lo:lo + blk] = -iqb[b] * 10
-    where = dict(file=LAYERS, symbol="sparse_decode_attention", condition=f"{cond}, lengths {lengths.tolist()}, "
-                 "the window's oldest key in a block the indexer drops")
-    with chk.guard(**where), torch.no_grad():
-        out = sparse_decode_attention(qb, kb, vb, iqb, ikb, lengths.to(dev), blk, top_k, window)
-        for b, n in enumerate(lengths.tolist()):
-            o_ref, m, _ = ref.sparse_attention(f64(qb[b:b + 1]), f64(k[:n]), f64(v[:n]), f64(iqb[b:b + 1]),
-                                               f64(ikb[b, :n]), torch.tensor([n - 1]), blk, top_k, window)
-            if m.item() > MARGIN:
-                chk.compare(out[b:b + 1], o_ref, f"decode attention of a sequence of {n}", **where)
+    for fused, form, file in ((False, "torch", LAYERS), (True, "two-launch Triton", SPARSE_DECODE)):
+        where = dict(file=file, symbol="sparse_decode_attention", condition=f"{cond}, lengths {lengths.tolist()}, "
+                     f"the window's oldest key in a block the indexer drops, {form} form")
+        with chk.guard(**where), torch.no_grad():
+            out = sparse_decode_attention(qb, kb, vb, iqb, ikb, lengths.to(dev), blk, top_k, window, fused=fused)
+            for b, n in enumerate(lengths.tolist()):
+                o_ref, m, _ = ref.sparse_attention(f64(qb[b:b + 1]), f64(k[:n]), f64(v[:n]), f64(iqb[b:b + 1]),
+                                                   f64(ikb[b, :n]), torch.tensor([n - 1]), blk, top_k, window)
+                if m.item() > MARGIN:
+                    chk.compare(out[b:b + 1], o_ref, f"decode attention of a sequence of {n} ({form})", **where)
 
 
 @probe(kind="correctness")
