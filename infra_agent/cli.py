@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import typer
@@ -316,37 +317,31 @@ review_app = typer.Typer(help="The review queue: patches held by the risk gate, 
 app.add_typer(review_app, name="review")
 
 
+@contextlib.contextmanager
 def _terminate_as_interrupt():
     """SIGTERM (``timeout``, a batch scheduler, ``kill``) stops a session as Ctrl-C does: the probe processes
     killed, the attempts so far recorded, the summary written and printed, exit code 130.  A second SIGTERM
     kills outright.  Installed only where a handler can be (the main thread)."""
-    import contextlib
     import signal
     import threading
 
-    @contextlib.contextmanager
-    def installed():
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-        def stop(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            raise KeyboardInterrupt
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    return installed()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _executor(kind: str, address: str | None, jobs: int):
     """Where probes run, as a context manager: nothing (local subprocesses) or a Ray executor."""
-    import contextlib
-
     if kind == "local":
         if address:
             fail("--address names a Ray cluster: give --executor ray too")

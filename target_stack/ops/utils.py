@@ -116,9 +116,11 @@ def poisoning(enabled: bool) -> Iterator[None]:
 
 
 def alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A buffer a kernel will overwrite completely: uninitialised, or NaN while poisoning."""
+    """A buffer a kernel will overwrite completely: uninitialised, or NaN (an integer buffer: its most negative
+    value) while poisoning."""
     if _poison:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -13,6 +13,8 @@ def test_poisoning_fills_buffers_with_nan_inside_the_block_and_restores_the_sett
     try:
         with poisoning(True):
             assert torch.isnan(alloc(3, 5, dtype=torch.float32, device=torch.device("cpu"))).all()
+            ids = alloc(4, dtype=torch.int64, device=torch.device("cpu"))  # integers: a value no index takes
+            assert (ids == torch.iinfo(torch.int64).min).all()
             with pytest.raises(RuntimeError), poisoning(False):
                 assert set_poison(False) is False  # off inside the inner block
                 raise RuntimeError("a failing timed call")

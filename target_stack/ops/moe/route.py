@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import CachedLaunch
+from target_stack.ops.utils import CachedLaunch, alloc
 
 MAX_TOKENS = 512  # above this a prefill's batched matmul reads the router once and wins
 
@@ -68,8 +68,8 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: 
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
     x, router, bias = x.contiguous(), router.contiguous(), bias.contiguous()
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    w = alloc(T, top_k, dtype=torch.float32, device=x.device)
+    idx = alloc(T, top_k, dtype=torch.int64, device=x.device)
     if T:
         BE = max(triton.next_power_of_2(E), 2)
         BD = max(16, min(triton.next_power_of_2(D), 8192 // BE))  # an [E, BD] slice of the router per step
