@@ -14,7 +14,7 @@ The step is ``ModelRunner.decode_step(static=True)`` (the form a CUDA graph capt
 prefill of a random prompt and one uncounted step, in the forms a GPU runs (Triton KDA kernels and
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
 the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
-decode inputs, norms and MoE router; and the two-launch decode attention, opt-in until a GPU has run it)
+decode inputs, norms and MoE router, and the two-launch decode attention)
 and without them, side by side.
 """
 
@@ -76,7 +76,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     for block in model.blocks:  # the GPU's forms: Triton KDA kernels and norms
         if not block.is_attn:
             block.mixer.backend = "triton"
-    for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels, and the decode attention), or not
+    for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
         if isinstance(module, RMSNorm | KDALayer | MoE | SparseAttentionLayer):
             module.fused = fused
     engine = LLMEngine(model)

@@ -160,6 +160,9 @@ class ProbeResult(_Model):
     # the spans of the runtime events it read, per thread (the longest ``events.TIMELINE_SPANS``): the
     # report draws them, baseline above candidate
     timeline: list[Span] = Field(default_factory=list)
+    # the tree's source files whose modules the probe imported (a Python probe), path -> sha256: a cached
+    # result holds only while they are unchanged, those its covers name or not
+    imports: dict[str, str] = Field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

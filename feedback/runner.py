@@ -133,6 +133,7 @@ class Runner:
         # where probes run: None here, as subprocesses; or an executor with run(runner, spec) -> (result,
         # reported), such as feedback.ray_executor.RayExecutor (the cache stays here either way)
         self.executor = executor
+        self._digests: dict[str, str | None] = {}
 
     # --- cache ------------------------------------------------------------------------------
 
@@ -169,13 +170,27 @@ class Runner:
         return h.hexdigest()
 
     def _cache_get(self, key: str) -> ProbeResult | None:
+        """The cached result under ``key``, unless a tree file its probe imported has changed since (one its
+        covers do not name: the key holds only those)."""
         path = self.cache_dir / f"{key}.json"
         if not path.is_file():
             return None
         try:
-            return ProbeResult.model_validate_json(path.read_text()).model_copy(update={"cached": True})
+            hit = ProbeResult.model_validate_json(path.read_text())
         except Exception:  # noqa: BLE001 - a damaged cache entry is a miss
             return None
+        if any(self._digest(rel) != digest for rel, digest in hit.imports.items()):
+            return None
+        return hit.model_copy(update={"cached": True})
+
+    def _digest(self, rel: str) -> str | None:
+        """sha256 of a tree file (None: it is gone), read once per runner: one judgement of one tree."""
+        if rel not in self._digests:
+            try:
+                self._digests[rel] = hashlib.sha256((self.tree / rel).read_bytes()).hexdigest()
+            except OSError:
+                self._digests[rel] = None
+        return self._digests[rel]
 
     def _cache_put(self, key: str, result: ProbeResult) -> None:
         self.cache_dir.mkdir(parents=True, exist_ok=True)

@@ -119,8 +119,9 @@ def combine_runs(runs: list[ProbeResult]) -> ProbeResult:
                 seen.add(f.message)
                 findings.append(f)
     status = Status.failed if any(r.status == Status.failed for r in runs) else Status.passed
+    imports = {path: digest for r in runs for path, digest in r.imports.items()}
     return runs[-1].model_copy(update={"status": status, "metrics": metrics, "findings": findings,
-                                       "duration_s": sum(r.duration_s for r in runs)})
+                                       "duration_s": sum(r.duration_s for r in runs), "imports": imports})
 
 
 # --- comparison -------------------------------------------------------------------------------------

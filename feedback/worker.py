@@ -29,6 +29,21 @@ def _innermost_tree_frame(tb, tree: pathlib.Path) -> str | None:
     return where
 
 
+def tree_imports(tree: pathlib.Path) -> dict[str, str]:
+    """The tree's source files among this process's modules, relative path -> sha256 of the file."""
+    import hashlib
+
+    out = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path:
+            continue
+        path = pathlib.Path(path).resolve()
+        if tree in path.parents and path.is_file():
+            out[str(path.relative_to(tree))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return dict(sorted(out.items()))
+
+
 def main(argv: list[str]) -> int:
     from feedback import lifeline
 
@@ -88,7 +103,8 @@ def main(argv: list[str]) -> int:
     events = sys.modules.get("feedback.events")  # a probe that read runtime events: their timeline
     result = ProbeResult(probe=request["probe"], status=status, metrics=ctx.metrics, findings=ctx.findings,
                          duration_s=clock() - t0, environment=fingerprint(), reason=reason,
-                         spans=ctx.spans, timeline=events.captured_timeline() if events else [])
+                         spans=ctx.spans, timeline=events.captured_timeline() if events else [],
+                         imports=tree_imports(tree))
     tmp = out.with_suffix(".tmp")
     tmp.write_text(result.model_dump_json())
     os.replace(tmp, out)

@@ -130,8 +130,8 @@ class SparseAttentionLayer(torch.nn.Module):
         self.w_qkv = torch.nn.Parameter(torch.randn(3 * h * hd, d, generator=generator) * d**-0.5)
         self.w_idx = torch.nn.Parameter(torch.randn(2 * cfg.index_dim, d, generator=generator) * d**-0.5)
         self.w_o = torch.nn.Parameter(torch.randn(d, h * hd, generator=generator) * (h * hd) ** -0.5)
-        # decode: the two-launch Triton attention (ops/sparse_decode.py) always, never, None: on a GPU.  Off, and
-        # outside fused_kernels, until a GPU has compiled and timed it (only the interpreter has run it so far)
+        # decode: the two-launch Triton attention (ops/sparse_decode.py) always, never, None: on a GPU
+        # (set by HybridModel.set_fused_kernels)
         self.fused: bool | None = False
 
     def project(self, x: torch.Tensor):
@@ -196,11 +196,11 @@ class HybridModel(torch.nn.Module):
         self.set_fused_kernels(cfg.fused_kernels)
 
     def set_fused_kernels(self, on: bool) -> None:
-        """The Triton norms, MoE router and KDA decode inputs (``ModelConfig.fused_kernels``), on or off.
+        """The Triton norms, MoE router, KDA decode inputs and decode attention (``ModelConfig.fused_kernels``).
 
         A CUDA graph captured before the switch keeps the kernels it was captured with."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | MoE):
+            if isinstance(module, RMSNorm | MoE | SparseAttentionLayer):
                 module.fused = None if on else False  # on: on a GPU
             elif isinstance(module, KDALayer):
                 module.fused = bool(on)  # on its Triton path

@@ -229,14 +229,18 @@ def hybrid_logits(model, tokens: list[int], prefix: torch.Tensor | None = None) 
     return rmsnorm(h, f64(model.norm.weight)) @ f64(model.lm_head).T, worst
 
 
-def diagnose(model, tokens: list[int], tolerance: float = 1e-4, margin: float = 1e-4
+STATE_SYMBOL = "KDALayer.prefill (final state)"
+
+
+def diagnose(model, tokens: list[int], tolerance: float = 1e-4, margin: float = 1e-4, carried: bool = False
              ) -> list[tuple[str, str, float]]:
     """Which part of a model's serving path departs from its definition, on one sequence.
 
     Every component runs on the input the model itself gives it (embedding, each norm, mixer and
-    FFN, each block's wiring of its own components, final norm and LM head) and is compared with
-    its float64 definition; returns (file, symbol, rel. error) of those beyond ``tolerance``.  A
-    component whose discrete choices are within ``margin`` of a tie is not judged.
+    FFN, each block's wiring of its own components, final norm and LM head; with ``carried``, what
+    a server carries from step to step too: a KDA layer's final state and one decode step) and is
+    compared with its float64 definition; returns (file, symbol, rel. error) of those beyond
+    ``tolerance``.  A component whose discrete choices are within ``margin`` of a tie is not judged.
     """
     from feedback.correctness import rel_err
 
@@ -262,7 +266,15 @@ def diagnose(model, tokens: list[int], tolerance: float = 1e-4, margin: float = 
                     judge(mix[0], want, MODEL, "SparseAttentionLayer.forward / project (sparse_attention)")
             else:
                 mix = blk.mixer(x)
-                judge(mix, kda_layer(blk.mixer, f64(x))[0], KDA_LAYER, "KDALayer.forward")
+                want, want_state = kda_layer(blk.mixer, f64(x))[:2]
+                judge(mix, want, KDA_LAYER, "KDALayer.forward")
+                # what the engine hands from step to step: the final state of a prefill, and a decode
+                # step from the state of all tokens but the last (outputs alone would not show either)
+                if carried:
+                    judge(blk.mixer.prefill(x)[1].kda, want_state, KDA_LAYER, STATE_SYMBOL)
+                if carried and x.shape[1] > 1:
+                    step = blk.mixer.decode(x[:, -1:], blk.mixer.prefill(x[:, :-1])[1])[0]
+                    judge(step, want[:, -1:], KDA_LAYER, "KDALayer.decode")
             y = blk.norm2(h + mix)
             judge(y, rmsnorm(f64(h + mix), f64(blk.norm2.weight)), LAYERS, "RMSNorm.forward")
             ffn = blk.ffn(y)

@@ -86,6 +86,29 @@ def test_cache_serves_unchanged_probes_and_misses_after_a_covered_change(toy):
     assert crashed.status == Status.error and not crashed.cached
 
 
+def test_a_cached_result_holds_only_while_the_tree_files_its_probe_imported_are_unchanged(toy):
+    # the probe's covers name value.txt only; the module it imports is observed, not declared
+    (toy / "toy" / "helper.py").write_text("SCALE = 3\n")
+    (toy / "toy" / "uses_helper.py").write_text(
+        "from feedback.probe import probe\nfrom toy import helper\n\n\n@probe\n"
+        "def scale(ctx):\n    ctx.metric('scale', float(helper.SCALE))\n")
+    (toy / "infra-agent.yaml").write_text(TOY_MANIFEST.replace("probes:\n", "probes:\n  - {id: toy.helper, kind: "
+                                          "correctness, entry: \"toy.uses_helper:scale\", covers: {files: "
+                                          "[\"toy/value.txt\"]}}\n", 1))
+    m = load_manifest(toy)
+    first = judge(toy, manifest=m, probe_ids=["toy.helper"]).results[0]
+    assert first.metrics["scale"].value == 3.0 and not first.cached
+    assert {"toy/helper.py", "toy/uses_helper.py"} <= first.imports.keys()
+    assert judge(toy, manifest=m, probe_ids=["toy.helper"]).results[0].cached
+    (toy / "toy" / "helper.py").write_text("SCALE = 4\n")
+    after = judge(toy, manifest=m, probe_ids=["toy.helper"]).results[0]
+    assert not after.cached and after.metrics["scale"].value == 4.0
+    assert judge(toy, manifest=m, probe_ids=["toy.helper"]).results[0].cached
+    (toy / "toy" / "helper.py").unlink()  # gone: a miss, and the probe's own error
+    gone = judge(toy, manifest=m, probe_ids=["toy.helper"]).results[0]
+    assert not gone.cached and gone.status == Status.error
+
+
 def test_a_work_counting_probe_gets_the_interpreter_and_no_gpu_on_a_gpu_machine(toy, monkeypatch):
     """``interpret: true``: the counts are the interpreter's, on every machine; other probes keep the GPU."""
     import feedback.runner as runner_mod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 from feedback.harness import judge
 from feedback.models import Status
@@ -61,6 +62,9 @@ DEFECTS = {
     "top-p keeps one token too few": (
         SAMPLER, "sorted_p.masked_fill(before >= top_p, 0.0)", "sorted_p.masked_fill(before + sorted_p > top_p, 0.0)"),
     "top-p not renormalised": (SAMPLER, "return kept / kept.sum(-1, keepdim=True)", "return kept"),
+    "prefill hands on the oldest convolution inputs": (
+        KDA_LAYER, "conv = full[:, -(CONV - 1):]\n        h0 = state.kda if state else None",
+        "conv = full[:, :CONV - 1]\n        h0 = state.kda if state else None"),
     "k not normalised": (KDA_LAYER, "k = F.normalize(k.reshape(B, T, H, K), dim=-1)", "k = k.reshape(B, T, H, K)"),
     "tp dt_bias of rank 0 everywhere": (
         TP, "shard.dt_bias.copy_(layer.dt_bias[q_idx])", "shard.dt_bias.copy_(layer.dt_bias[: h * K])"),
@@ -184,17 +188,34 @@ def test_block_wiring_image_native_and_cp_layout_defects_are_caught_and_located(
     assert_passed(r, "engine.sampler", "model.layers", "model.quant", "engine.tp")
 
 
-def test_runner_and_kernel_condition_defects_are_caught_and_located(tmp_path):
-    r = _judge(tmp_path, ["decode lengths one short", "in-kernel k normalisation dropped",
-                          "last chunk decays past the sequence end"],
+def test_kernel_condition_defects_are_caught_and_located(tmp_path):
+    r = _judge(tmp_path, ["in-kernel k normalisation dropped", "last chunk decays past the sequence end"],
                ["engine.reference", "kda.recurrent.correctness", "kda.chunk.correctness", "model.hybrid",
                 "model.moe.native"])
-    assert_caught(r["engine.reference"], (RUNNER, "ModelRunner.decode"))
     rec = r["kda.recurrent.correctness"]
     assert_caught(rec, (RECURRENT, "_kda_fused_recurrent_kernel"))
     assert all("l2norm=True" in f.location.condition for f in rec.findings if f.location.condition)
     assert_caught(r["kda.chunk.correctness"], (CHUNK, "_kda_state_kernel"))
     assert_passed(r, "model.hybrid", "model.moe.native")
+    if torch.cuda.is_available():
+        # the engine runs the planted kernels there: named is the layer whose final state and decode step are
+        # off, not the engine that carries them
+        assert_caught(r["engine.reference"], (KDA_LAYER, "KDALayer.prefill (final state)"),
+                      (KDA_LAYER, "KDALayer.decode"))
+    else:
+        assert_passed(r, "engine.reference")  # the engine's KDA runs in torch on a CPU
+
+
+def test_a_runner_defect_is_caught_on_every_device(tmp_path):
+    # on a GPU decode replays CUDA graphs, which compute the lengths themselves: the eager configuration finds it
+    r = _judge(tmp_path, ["decode lengths one short"], ["engine.reference"])
+    assert_caught(r["engine.reference"], (RUNNER, "ModelRunner.decode"))
+
+
+def test_a_state_handed_on_wrong_is_blamed_on_the_layer_and_not_on_the_engine(tmp_path):
+    # every output of a prefill is right; only the next step, from the handed-on state, is off
+    r = _judge(tmp_path, ["prefill hands on the oldest convolution inputs"], ["engine.reference"])
+    assert_caught(r["engine.reference"], (KDA_LAYER, "KDALayer.decode"))
 
 
 def test_scheduler_defects_that_outputs_hide_break_its_promises(tmp_path):
