@@ -98,6 +98,25 @@ def test_chunk_kda_varlen_matches_per_sequence_reference(gen):
         assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
 
 
+@pytest.mark.parametrize("by_column", [True, False])
+def test_both_forms_of_the_diagonal_blocks_are_exact(by_column, gen, monkeypatch):
+    """The intra kernel's diagonal blocks column by column (a GPU's form) or as one 3-D product (the
+    interpreter's): each on every machine, on sequences that end inside a block and strong decays."""
+    from target_stack.ops.kda import chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "DIAG_BY_COLUMN", by_column)
+    lens = [9, 70, 40]
+    T, H, K, V = sum(lens), 2, 32, 16
+    q, k, v, g, beta = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
+    g = g - 2.0
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        ro, rs = ref64(*(t[:, a:b] for t in (q, k, v, g, beta)))
+        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
+
+
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)
 def test_chunk_kda_large_decay_does_not_overflow(T, gen):
     """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""

@@ -27,6 +27,10 @@ import triton.language as tl
 
 from target_stack.ops.utils import alloc, block_size, check_kda_inputs, interpreting, resolve_dot_precision
 
+#: how the intra kernel builds its diagonal blocks: column by column (True), as one 3-D product (False),
+#: or (None) by column on a GPU and as one product in the interpreter (``_diag_block``)
+DIAG_BY_COLUMN: bool | None = None
+
 CHUNK_SIZE = 64
 
 
@@ -97,12 +101,15 @@ def _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j,
 
 @triton.jit
 def _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Block (i, i), exactly, column by column: for each key row j of the block, the block's rows times
-    k_j exp(G_i - G_j), reduced over K, the exponent masked to rows i >= j before exp() (no exponent
-    is ever positive, padding rows never reach exp()).  On an H200 this took the intra kernel from
-    273 to 179 us at 4096 tokens against building the block from [BC, BC, 8] slices of the products,
-    whose 3-D layout the reductions paid for (bench/RESULTS.md, 2026-12-04)."""
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                BY_COLUMN: tl.constexpr):
+    """Block (i, i), exactly, the exponent masked to rows i >= j before exp() (no exponent is ever
+    positive, padding rows never reach exp()).  ``BY_COLUMN`` (a GPU): for each key row j of the block,
+    the block's rows times k_j exp(G_i - G_j), reduced over K; on an H200 this took the intra kernel
+    from 273 to 179 us at 4096 tokens against building the block from [BC, BC, 8] slices of the
+    products, whose 3-D layout the reductions paid for (bench/RESULTS.md, 2026-12-04).  Otherwise (the
+    interpreter, where every operation costs alike whatever its size): one [BC, BC, BK] product, which
+    runs the KDA probes twice as fast there as the sixteen columns do."""
     sub = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -113,17 +120,23 @@ def _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i,
     b_q = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
     b_k = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
     b_g = tl.load(gc + off_ik, mask=m_ik, other=0.0)
-    b_L = tl.zeros([BC, BC], dtype=tl.float32)
-    b_P = tl.zeros([BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
-        r_j = t0 + i_i * BC + j
-        m_jk = m_k & ((r_j + 0 * o_k) < eos)  # (a tensor mask: the interpreter refuses a scalar one)
-        b_kj = tl.load(k + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0).to(tl.float32)
-        b_gj = tl.load(gc + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0)
-        keep = (m_i & (sub >= j))[:, None] & m_k[None, :]
-        b_kgj = tl.exp(tl.where(keep, b_g - b_gj[None, :], float("-inf"))) * b_kj[None, :]
-        b_L = tl.where(sub[None, :] == j, tl.sum(b_k * b_kgj, axis=1)[:, None], b_L)
-        b_P = tl.where(sub[None, :] == j, tl.sum(b_q * b_kgj, axis=1)[:, None], b_P)
+    if BY_COLUMN:
+        b_L = tl.zeros([BC, BC], dtype=tl.float32)
+        b_P = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(0, BC):
+            r_j = t0 + i_i * BC + j
+            m_jk = m_k & ((r_j + 0 * o_k) < eos)  # (a tensor mask: the interpreter refuses a scalar one)
+            b_kj = tl.load(k + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0).to(tl.float32)
+            b_gj = tl.load(gc + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0)
+            keep = (m_i & (sub >= j))[:, None] & m_k[None, :]
+            b_kgj = tl.exp(tl.where(keep, b_g - b_gj[None, :], float("-inf"))) * b_kj[None, :]
+            b_L = tl.where(sub[None, :] == j, tl.sum(b_k * b_kgj, axis=1)[:, None], b_L)
+            b_P = tl.where(sub[None, :] == j, tl.sum(b_q * b_kgj, axis=1)[:, None], b_P)
+    else:
+        keep = ((sub[:, None] >= sub[None, :]) & (m_i[:, None] & m_i[None, :]))[:, :, None] & m_k[None, None, :]
+        b_kd = b_k[None, :, :] * tl.exp(tl.where(keep, b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_L = tl.sum(b_k[:, None, :] * b_kd, axis=2)
+        b_P = tl.sum(b_q[:, None, :] * b_kd, axis=2)
     off_ii = (r_i * H + i_h)[:, None] * BT + i_i * BC + sub[None, :]
     tl.store(Akk + off_ii, b_L, mask=m_i[:, None])
     tl.store(Pqk + off_ii, b_P * scale, mask=m_i[:, None])
@@ -135,7 +148,7 @@ def _kda_intra_block_kernel(
     cu_seqlens, chunk_seq, chunk_pos,
     scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, BY_COLUMN: tl.constexpr,
 ):
     """One [BC, BC] block (i, j), j <= i, of L[i, j] = <k_i, k_j exp(G_i - G_j)> and
     P[i, j] = scale <q_i, k_j exp(G_i - G_j)> per program: grid (chunks, NC (NC + 1) / 2, heads)."""
@@ -151,7 +164,7 @@ def _kda_intra_block_kernel(
         if i_j < i_i:
             _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j, H, K, BT, BC, BK, LOWP, DOT_PRECISION)
         else:
-            _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK)
+            _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK, BY_COLUMN)
 
 
 @triton.jit
@@ -402,7 +415,8 @@ def chunk_kda_fwd(
     _kda_cumsum_kernel[(NT, H)](g, gc, cu_seqlens, chunk_seq, chunk_pos, H=H, K=K, BT=BT, BK=BK)
     _kda_intra_block_kernel[(NT, NC * (NC + 1) // 2, H)](
         q, k, gc, Akk, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, BT=BT, BC=BC, BK=BK, NC=NC, LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
+        H=H, K=K, BT=BT, BC=BC, BK=BK, NC=NC, LOWP=lowp, DOT_PRECISION=precision,
+        BY_COLUMN=not interpreting() if DIAG_BY_COLUMN is None else DIAG_BY_COLUMN, num_warps=4,
     )
     _kda_solve_kernel[(NT, H)](
         k, v, beta, gc, Akk, w, u, kd, cu_seqlens, chunk_seq, chunk_pos,
