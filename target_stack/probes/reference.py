@@ -230,6 +230,9 @@ def hybrid_logits(model, tokens: list[int], prefix: torch.Tensor | None = None) 
 
 
 STATE_SYMBOL = "KDALayer.prefill (final state)"
+DECODE_SYMBOL = "KDALayer.decode"
+#: what diagnose(carried=True) judges beyond the outputs: what a server carries from step to step
+CARRIED = (STATE_SYMBOL, DECODE_SYMBOL)
 
 
 def diagnose(model, tokens: list[int], tolerance: float = 1e-4, margin: float = 1e-4, carried: bool = False
@@ -274,7 +277,7 @@ def diagnose(model, tokens: list[int], tolerance: float = 1e-4, margin: float = 
                     judge(blk.mixer.prefill(x)[1].kda, want_state, KDA_LAYER, STATE_SYMBOL)
                 if carried and x.shape[1] > 1:
                     step = blk.mixer.decode(x[:, -1:], blk.mixer.prefill(x[:, :-1])[1])[0]
-                    judge(step, want[:, -1:], KDA_LAYER, "KDALayer.decode")
+                    judge(step, want[:, -1:], KDA_LAYER, DECODE_SYMBOL)
             y = blk.norm2(h + mix)
             judge(y, rmsnorm(f64(h + mix), f64(blk.norm2.weight)), LAYERS, "RMSNorm.forward")
             ffn = blk.ffn(y)

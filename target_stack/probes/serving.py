@@ -172,10 +172,6 @@ def _record(runner) -> list[tuple[int, int, str, torch.Tensor]]:
     return records
 
 
-# a KDA layer's final state or decode step off (reference.diagnose): every engine step past a prefill's first
-# chunk carries them, so such steps cannot be held to the model's own forward, which carries nothing
-CARRIED = (ref.STATE_SYMBOL, "KDALayer.decode")
-
 _WHERE = {"prefill": dict(file=RUNNER, symbol="ModelRunner.prefill_from"),
           "prefix": dict(file=PREFIX, symbol="PrefixCache.match / PrefixEntry.restore (ModelRunner.prefill_from)"),
           "decode": dict(file=RUNNER, symbol="ModelRunner.decode / decode_step")}
@@ -288,8 +284,10 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
                          f"on its own input (rel. error {err:.2e})", file=file, symbol=symbol, condition=name)
         if blamed:  # a component is off (named above): the engine must still equal the model's own forward
             chk.track(rel_err(got, want), metric)
-            if any(symbol in CARRIED for _, symbol, _ in blamed):
-                continue  # unless what is off is what the engine carries between steps: its forward has no such thing
+            if any(symbol in ref.CARRIED for _, symbol, _ in blamed):
+                # a KDA layer's final state or decode step: every engine step past a prefill's first chunk
+                # carries them, so it cannot be held to the model's own forward, which carries nothing
+                continue
             chk.compare(got, own, f"{phase} logits", tolerance=bound, against="the model's own forward",
                         metric=metric, **where)
         else:
