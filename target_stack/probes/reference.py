@@ -195,37 +195,50 @@ def image_encoder(enc, image: torch.Tensor) -> torch.Tensor:
     return rmsnorm(h, f64(enc.norm.weight))
 
 
-def block(blk, index: int, cfg, h: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(h + mixer(norm1 h) then + ffn(norm2 h), smallest margin of its discrete choices) for h [T, dim].
+def block(blk, index: int, cfg, h: torch.Tensor, by_position: bool = False):
+    """(h + mixer(norm1 h) then + ffn(norm2 h), smallest margin of its discrete choices) for h [T, dim];
+    with ``by_position`` the margins per position [T] (inf where a position makes no choice).
 
     Layer ``index`` (0-based) is sparse attention when (index + 1) % attn_every == 0, else KDA; its
     FFN is the dense SwiGLU in layer 0 and the MoE after it.
     """
     x = rmsnorm(h, f64(blk.norm1.weight))
     if (index + 1) % cfg.attn_every == 0:
-        mix, margin, _ = attention_layer(blk.mixer, x, cfg)
-        worst = margin.min().item()
+        mix, worst, _ = attention_layer(blk.mixer, x, cfg)
     else:
         mix = kda_layer(blk.mixer, x[None])[0][0]
-        worst = math.inf
+        worst = torch.full((h.shape[0],), math.inf, dtype=F64)
     h = h + mix
     x = rmsnorm(h, f64(blk.norm2.weight))
     if index == 0:
-        return h + swiglu(x, blk.ffn), worst
-    out, margin = moe(x, blk.ffn)
-    return h + out, min(worst, margin.min().item())
+        out = h + swiglu(x, blk.ffn)
+    else:
+        out, margin = moe(x, blk.ffn)
+        out, worst = h + out, torch.minimum(worst, margin)
+    if by_position:
+        return out, worst
+    return out, worst.min().item() if worst.numel() else math.inf
 
 
 def hybrid_logits(model, tokens: list[int], prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """(logits [positions, vocab], smallest decision margin) of one sequence: token embeddings
     (image embeddings ``prefix`` in front), every block, a final RMSNorm and the LM head."""
+    logits, margins = hybrid_logits_by_position(model, tokens, prefix)
+    return logits, margins.min().item() if margins.numel() else math.inf
+
+
+def hybrid_logits_by_position(model, tokens: list[int], prefix: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [positions, vocab], margins [positions]): :func:`hybrid_logits` with the smallest margin
+    of the discrete choices made at each position (every layer's block choice and expert routing of
+    that position's query or token), inf where it makes none."""
     h = f64(model.embed)[torch.tensor(tokens, dtype=torch.long)]
     if prefix is not None:
         h = torch.cat([prefix, h])
-    worst = math.inf
+    worst = torch.full((h.shape[0],), math.inf, dtype=F64)
     for i, blk in enumerate(model.blocks):
-        h, margin = block(blk, i, model.cfg, h)
-        worst = min(worst, margin)
+        h, margin = block(blk, i, model.cfg, h, by_position=True)
+        worst = torch.minimum(worst, margin)
     return rmsnorm(h, f64(model.norm.weight)) @ f64(model.lm_head).T, worst
 
 

@@ -34,9 +34,13 @@ RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 CP = "target_stack/ops/kda/cp.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
 ENGINE = "target_stack/engine/engine.py"
+KV_CACHE = "target_stack/engine/cache.py"
 
 # name: (file, text, replacement)
 DEFECTS = {
+    "stored values read with the keys' scales": (
+        KV_CACHE, "((self.k, self.k_scale), (self.v, self.v_scale)):\n            x = dequantize_kv",
+        "((self.k, self.k_scale), (self.v, self.k_scale)):\n            x = dequantize_kv"),
     "rmsnorm eps outside the root": (
         LAYERS, "torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)",
         "1.0 / (xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)"),
@@ -210,6 +214,16 @@ def test_a_runner_defect_is_caught_on_every_device(tmp_path):
     # on a GPU decode replays CUDA graphs, which compute the lengths themselves: the eager configuration finds it
     r = _judge(tmp_path, ["decode lengths one short"], ["engine.reference"])
     assert_caught(r["engine.reference"], (RUNNER, "ModelRunner.decode"))
+
+
+def test_a_defect_in_reading_stored_kv_is_caught_past_the_storage_tie_margin(tmp_path):
+    # only quantised storage has scales: the int8 configuration, whose steps from stored KV are judged only
+    # where their discrete choices are clear of the storage's tie margin, must still see it
+    r = _judge(tmp_path, ["stored values read with the keys' scales"], ["engine.reference"])
+    res = r["engine.reference"]
+    assert_caught(res, (RUNNER, "ModelRunner.decode"), only=False)
+    assert all("kv_dtype=int8" in (f.location.condition or "") for f in res.findings if "violates" not in f.message)
+    assert "near_tie_steps_int8_kv" in res.metrics  # the steps left to the margin are counted
 
 
 def test_a_state_handed_on_wrong_is_blamed_on_the_layer_and_not_on_the_engine(tmp_path):
