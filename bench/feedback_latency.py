@@ -10,7 +10,10 @@ On a scratch git copy of the bundled target:
    --changed-from HEAD~1``: wall time to the verdict, median of ``reps`` (each rep a different
    one-line change, so the candidate is never served from the cache; the baseline is);
 2. the same command again with nothing changed (everything cached), median of ``reps``;
-3. the change-impact selection against running every probe on the same change, both cold.
+3. the change-impact selection against running every probe on the same change, both cold
+   (``--skip-all`` leaves it out: on a lent GPU machine every probe twice costs minutes).
+
+On a machine with a GPU the CP probes run natively there: the figures are the GPU probe's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ def feedback(tree: pathlib.Path, *args: str, mode: str = "warm") -> tuple[float,
     return secs, out.returncode, json.loads(out.stdout)
 
 
+def _device() -> str:
+    """Where the probes run: the GPU's name, or the CPU (the Triton interpreter)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (Triton interpreter)"
+
+
 def one_line_change(tree: pathlib.Path, i: int) -> None:
     cp = tree / "target_stack" / "ops" / "kda" / "cp.py"
     text = cp.read_text()
@@ -65,6 +75,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--skip-all", action="store_true", help="leave out step 3 (every probe, no cache)")
     ap.add_argument("--json", type=pathlib.Path, default=ROOT / "bench" / "out" / "feedback_latency.json")
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="infra-agent-latency-"))
@@ -94,22 +105,24 @@ def main() -> int:
                 all_cached[mode] = all_cached.get(mode, True) and all(r["cached"] for r in rep_cached["results"])
         cached = {m: statistics.median(v) for m, v in reruns.items()}
 
-        git(tree, "reset", "-q", "--hard", base)
-        one_line_change(tree, 99)
         t_sel, t_all, n_sel, n_all = {}, {}, 0, 0
-        for mode in MODES:  # no cache: --no-cache judges baseline and candidate afresh
-            t_sel[mode], _, rep_sel = feedback(tree, "--changed-from", "HEAD~1", "--baseline", "HEAD", "--no-cache",
-                                               mode=mode)
-            t_all[mode], _, rep_all = feedback(tree, "--all", "--baseline", "HEAD", "--no-cache", mode=mode)
-            n_sel, n_all = len(rep_sel["results"]), len(rep_all["results"])
+        if not args.skip_all:
+            git(tree, "reset", "-q", "--hard", base)
+            one_line_change(tree, 99)
+            for mode in MODES:  # no cache: --no-cache judges baseline and candidate afresh
+                t_sel[mode], _, rep_sel = feedback(tree, "--changed-from", "HEAD~1", "--baseline", "HEAD",
+                                                   "--no-cache", mode=mode)
+                t_all[mode], _, rep_all = feedback(tree, "--all", "--baseline", "HEAD", "--no-cache", mode=mode)
+                n_sel, n_all = len(rep_sel["results"]), len(rep_all["results"])
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores",
+            "device": _device(),
             "verdict_after_change_s": verdicts,
             "verdict_median_s": {m: statistics.median(v) for m, v in verdicts.items()},
             "probes_selected": probes, "unchanged_rerun_s": cached, "unchanged_rerun_all_cached": all_cached,
             "selected_cold_s": t_sel, "all_probes_cold_s": t_all,
-            "selected_over_all": {m: t_sel[m] / t_all[m] for m in MODES}, "n_selected": n_sel, "n_all": n_all,
+            "selected_over_all": {m: t_sel[m] / t_all[m] for m in t_all}, "n_selected": n_sel, "n_all": n_all,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -122,12 +135,13 @@ def main() -> int:
     table.add_row("  runs", *(", ".join(f"{v:.1f}" for v in verdicts[m]) for m in MODES), "")
     table.add_row(f"repeated run, nothing changed (median of {args.reps})",
                   *(f"{cached[m]:.2f} s (all cached: {all_cached[m]})" for m in MODES), "<= 0.3 s")
-    table.add_row(f"selected probes, no cache ({n_sel} probes, with the baseline)",
-                  *(f"{t_sel[m]:.1f} s" for m in MODES), "")
-    table.add_row(f"every probe, no cache ({n_all} probes, with the baseline)",
-                  *(f"{t_all[m]:.1f} s" for m in MODES), "")
-    table.add_row("selection / all", *(f"{result['selected_over_all'][m]:.0%}" for m in MODES), "<= 30%")
-    console.print(f"probes selected: {', '.join(probes or [])}")
+    if t_all:
+        table.add_row(f"selected probes, no cache ({n_sel} probes, with the baseline)",
+                      *(f"{t_sel[m]:.1f} s" for m in MODES), "")
+        table.add_row(f"every probe, no cache ({n_all} probes, with the baseline)",
+                      *(f"{t_all[m]:.1f} s" for m in MODES), "")
+        table.add_row("selection / all", *(f"{result['selected_over_all'][m]:.0%}" for m in MODES), "<= 30%")
+    console.print(f"probes selected: {', '.join(probes or [])} ({result['device']}, {result['machine']})")
     console.print(table)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

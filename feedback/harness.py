@@ -171,9 +171,13 @@ def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:
         return fallback
 
 
-def export_baseline(repo_tree: str | pathlib.Path, rev: str) -> tuple[pathlib.Path, tempfile.TemporaryDirectory]:
-    """Export ``rev`` of the target's repository to a temporary tree (for use as a baseline)."""
-    from feedback.targets import export_revision
+def export_baseline(repo_tree: str | pathlib.Path, rev: str, store: str | pathlib.Path | None = None
+                    ) -> tuple[pathlib.Path, tempfile.TemporaryDirectory | None]:
+    """``rev`` of the target's repository as a tree (for use as a baseline): exported to a temporary
+    folder, or with ``store`` kept there by commit and reused (then no temporary folder is returned)."""
+    from feedback.targets import export_revision, stored_revision
 
+    if store is not None:
+        return stored_revision(repo_tree, rev, store), None
     tmp = tempfile.TemporaryDirectory(prefix="infra-agent-baseline-")
     return export_revision(repo_tree, rev, tmp.name), tmp

@@ -8,13 +8,13 @@ import hashlib
 import math
 import pathlib
 import re
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import FeedbackReport, ProbeResult, Status
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: a metric measured at a size: ``err_p32`` (32 partitions), ``ttft_T4096``, ``step_us_batch64``
 SIZED = re.compile(r"^(?P<base>.*?)_?(?P<dim>p|P|T|t|batch|ranks|len|n)(?P<n>\d+)$")
@@ -112,6 +112,9 @@ NARROW_COLUMNS = 110
 
 
 def render(report: FeedbackReport, console: Console) -> None:
+    from rich.markup import escape  # here: a cached ``feedback --json`` never loads rich
+    from rich.table import Table
+
     title = f"feedback on {report.target} ({report.selection})"
     if report.baseline:
         title += f" vs baseline {report.baseline}"

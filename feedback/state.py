@@ -14,6 +14,8 @@ it (or a path it gives) as an argument instead of joining folder names themselve
       review.db              the review queue
       experiments/           the experiment records the sessions wrote
       bundled/               scratch copies of the bundled target
+      baselines/<commit>/    committed trees exported as baselines (a commit never changes: kept, the
+                             few most recently used)
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class StateDir:
     @property
     def bundled(self) -> pathlib.Path:
         return self.root / "bundled"
+
+    @property
+    def baselines(self) -> pathlib.Path:
+        return self.root / "baselines"
 
     def relative(self, path: str | os.PathLike) -> str:
         """``path`` relative to the state folder when it is inside (portable across machines), else as is."""

@@ -85,6 +85,49 @@ def commit_of(root: pathlib.Path, rev: str) -> str | None:
 
 def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:
     """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout)."""
+    root, commit, rel = _resolve(repo_dir, rev)
+    _export(root, commit, rev, pathlib.Path(dest))
+    # a target that is a subfolder of its repository: keep the same relative root
+    return pathlib.Path(dest) / rel
+
+
+def stored_revision(repo_dir: str | pathlib.Path, rev: str, store: str | pathlib.Path, keep: int = 4) -> pathlib.Path:
+    """The tree of ``rev`` exported once into ``store/<commit>`` and reused while it is among the ``keep``
+    most recently used there (a commit's tree never changes; a repeated ``feedback --changed-from``
+    then pays no export).  Written atomically: a killed export never looks complete."""
+    root, commit, rel = _resolve(repo_dir, rev)
+    store = pathlib.Path(store)
+    dest = store / commit
+    if (dest / _COMPLETE).is_file():
+        os.utime(dest)  # most recently used
+        return dest / rel
+    store.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # not ours (ours appear whole): made by hand, or an older layout
+        shutil.rmtree(dest)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".partial-", dir=store))
+    try:
+        _export(root, commit, rev, tmp)
+        (tmp / _COMPLETE).write_text(f"{commit}\n")
+        os.replace(tmp, dest)
+    except OSError:  # another process stored it first (a non-empty dest), or the disk refused
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dest / _COMPLETE).is_file():
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = sorted((d for d in store.iterdir() if d.is_dir() and d != dest and (d / _COMPLETE).is_file()),
+                 key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in old[max(keep - 1, 0):]:
+        shutil.rmtree(d, ignore_errors=True)
+    return dest / rel
+
+
+_COMPLETE = ".infra-agent-export"  # written last into a stored export
+
+
+def _resolve(repo_dir: str | pathlib.Path, rev: str) -> tuple[pathlib.Path, str, pathlib.Path]:
+    """(repository root, the commit ``rev`` names, ``repo_dir`` relative to the root)."""
     repo_dir = pathlib.Path(repo_dir).resolve()
     root = repo_root(repo_dir)
     if root is None:
@@ -92,12 +135,13 @@ def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.
     commit = commit_of(root, rev)
     if commit is None:
         raise ValueError(f"unknown revision {rev!r} in {root}")
+    return root, commit, repo_dir.relative_to(root)
+
+
+def _export(root: pathlib.Path, commit: str, rev: str, dest: pathlib.Path) -> None:
     archive = git(root, "archive", "--format=tar", commit)
     if archive.returncode != 0:
         raise ValueError(f"git archive of {rev!r} failed: {archive.stderr.decode(errors='replace').strip()}")
-    dest = pathlib.Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
-    # a target that is a subfolder of its repository: keep the same relative root
-    return dest / repo_dir.relative_to(root)

@@ -6,7 +6,6 @@ import contextlib
 import platform
 
 import typer
-from rich.console import Console
 
 from infra_agent import __version__
 
@@ -17,8 +16,27 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+class _Console:
+    """A rich Console made on first use: ``feedback --json`` on a cached tree prints JSON and never loads rich."""
+
+    def __init__(self, **options):
+        self._options, self._console = options, None
+
+    def get(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return self._console
+
+    def __getattr__(self, name: str):
+        return getattr(self.get(), name)
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -172,8 +190,8 @@ def feedback(
         base_rev = baseline or changed_from
         keep = None
         base_tree = None
-        if base_rev:
-            base_tree, keep = export_baseline(root, base_rev)
+        if base_rev:  # kept by commit in the state folder: a repeated comparison exports nothing
+            base_tree, keep = export_baseline(root, base_rev, store=_state(target).baselines)
         extra_env = {"INFRA_AGENT_TRACE_DIR": str(pathlib.Path(trace_dir).resolve())} if trace_dir else None
         with _executor(executor, address, jobs) as ex:
             report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
@@ -190,8 +208,15 @@ def feedback(
     else:
         from feedback.report import render
 
-        render(report, console)
+        render(report, console.get())
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _events(as_json: bool):
+    """A session's event printer: one plain line per event under ``--json``, else rich on the terminal."""
+    from infra_agent.session import print_event, print_progress
+
+    return print_progress() if as_json else print_event(console.get())
 
 
 def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
@@ -216,7 +241,7 @@ def _run_with_progress(judge_fn, root, quiet: bool, **kwargs):
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), console=err_console, transient=True) as progress:
+                  "{task.total}"), TimeElapsedColumn(), console=err_console.get(), transient=True) as progress:
         task = progress.add_task("probes", total=0)
 
         def on_start(specs):
@@ -702,7 +727,7 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
     import pathlib
 
     from infra_agent.agent import Limits
-    from infra_agent.session import make_backend, print_event, print_progress, render_summary, run_session
+    from infra_agent.session import make_backend, render_summary, run_session
     from infra_agent.workspace import GitWorkspace, new_session_id
 
     for n, sc in enumerate(chosen, 1):
@@ -726,11 +751,11 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
                        trajectory=trajectory)
         limits = Limits(max_steps=max_steps, time_limit_s=time_limit, parallel=parallel)
         outcome, summary = run_session(ws, be, task, limits, jobs=jobs,
-                                       on_event=print_progress() if as_json else print_event(console), scenario=sc,
+                                       on_event=_events(as_json), scenario=sc,
                                        executor=ex)
         summaries.append(summary)
         if not as_json:
-            render_summary(summary, console)
+            render_summary(summary, console.get())
         if outcome == "interrupted":
             break
 
@@ -744,7 +769,7 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     from infra_agent.agent import Limits
     from infra_agent.resume import ResumeError
     from infra_agent.scenarios import ScenarioError, resolve
-    from infra_agent.session import make_backend, print_event, print_progress, render_summary, run_session
+    from infra_agent.session import make_backend, render_summary, run_session
     from infra_agent.workspace import GitWorkspace
 
     state = _state(target)
@@ -762,14 +787,14 @@ def _resume(session: str, target, goal, backend, model, base_url, trajectory, ma
     try:
         outcome, summary = run_session(ws, be, goal or meta.get("goal") or DEFAULT_GOAL,
                                        Limits(max_steps=max_steps, time_limit_s=time_limit), jobs=jobs,
-                                       on_event=print_progress() if as_json else print_event(console), scenario=sc,
+                                       on_event=_events(as_json), scenario=sc,
                                        resume=True, executor=executor)
     except ResumeError as exc:
         fail(str(exc))
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        render_summary(summary, console)
+        render_summary(summary, console.get())
     solved = not summary.get("scenario") or summary["scenario"]["solved"] != "no"
     raise typer.Exit(130 if outcome == "interrupted" else summary["exit_code"] if solved else 1)
 
@@ -852,7 +877,7 @@ def sessions_show(session: str = typer.Argument(...), target: str = typer.Option
         fail(f"no session {session!r}")
     if "summary" not in found[0]:
         fail(f"session {session} has no summary (still running, or killed before the end)")
-    render_summary(found[0]["summary"], console)
+    render_summary(found[0]["summary"], console.get())
 
 
 @sessions_app.command("clean")
