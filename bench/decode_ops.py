@@ -15,7 +15,7 @@ prefill of a random prompt and one uncounted step, in the forms a GPU runs (Trit
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
 the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
 decode inputs, norms and MoE router, and the two-launch decode attention)
-and without them, side by side.
+and without them, and with the opt-in two-launch small-batch MoE experts besides, side by side.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ NO_LAUNCH = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_str
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
 
 
-def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: bool = True) -> dict:
+def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: bool = True,
+               small_batch: bool = False) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -79,6 +80,8 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
         if isinstance(module, RMSNorm | KDALayer | MoE | SparseAttentionLayer):
             module.fused = fused
+        if isinstance(module, MoE):  # the two-launch small-batch experts (opt-in)
+            module.small_batch = small_batch
     engine = LLMEngine(model)
     gen = torch.Generator().manual_seed(1)
     for _ in range(batch):
@@ -133,6 +136,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
         by_site[site]["triton"] += n
     sites = sorted(by_site.items(), key=lambda kv: -sum(kv[1].values()))
     return {"preset": preset, "dtype": dtype, "batch": batch, "layers": len(model.blocks), "fused": fused,
+            "small_batch_experts": small_batch,
             "total": sum(by_name.values()), "conversions": sum(by_name[n] for n in CONVERSIONS),
             "matmuls": sum(by_name[n] for n in MATMULS), "triton_launches": sum(launches.values()),
             "by_name": dict(by_name.most_common()), "by_site": {s: dict(c) for s, c in sites}}
@@ -166,17 +170,22 @@ def main() -> int:
 
     # each count in a process of its own: the bench preset's model takes most of a 24 GiB machine
     counts = []
-    for fused in (True, False):  # and again without the fused kernels, side by side
+    # without the fused kernels, and with the opt-in small-batch MoE experts besides, side by side
+    for fused, small in ((True, False), (False, False), (True, True)):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused=fused).result())
-    r, plain = counts
+            counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused=fused,
+                                      small_batch=small).result())
+    r, plain, small = counts
     r["without_fused_kernels"] = {k: plain[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
+    r["with_small_batch_experts"] = {k: small[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
     console = Console()
     console.print(f"one decode step, preset {r['preset']} ({r['layers']} layers), {r['dtype']}, batch {r['batch']}: "
                   f"{r['total']} aten ops that launch ({r['matmuls']} matmuls, {r['conversions']} conversions) "
                   f"and {r['triton_launches']} Triton kernels")
     console.print(f"without the fused kernels: {plain['total']} aten ops ({plain['conversions']} conversions) "
                   f"and {plain['triton_launches']} Triton kernels")
+    console.print(f"with the small-batch MoE experts too (opt-in): {small['total']} aten ops "
+                  f"({small['conversions']} conversions) and {small['triton_launches']} Triton kernels")
     kinds = Table("target_stack function", "matmul", "conversion", "other", "triton", title="where they come from")
     for site, c in list(r["by_site"].items())[:15]:
         kinds.add_row(site, *(str(c.get(k, 0)) for k in ("matmul", "conversion", "other", "triton")))

@@ -23,6 +23,8 @@ from target_stack.ops.moe import (
 from target_stack.ops.moe.native import HostLayout, moe_dispatch_combine
 from target_stack.ops.moe.route import MAX_TOKENS as ROUTE_KERNEL_TOKENS
 from target_stack.ops.moe.route import moe_route
+from target_stack.ops.moe.small_batch import MAX_TOKENS as SMALL_BATCH_TOKENS
+from target_stack.ops.moe.small_batch import small_batch_experts, stack_with_shared
 from target_stack.ops.norm import rms_norm
 from target_stack.ops.sparse_decode import sparse_decode_attention_kernel
 
@@ -79,6 +81,10 @@ class MoE(torch.nn.Module):
         self.backend = backend  # 'native': the compiled dispatch/expert/combine step on CPU fp32 inputs
         self.grouped = True  # False: the per-expert loop even where grouped GEMMs work (a plain-eager baseline)
         self.fused: bool | None = False  # the one-launch router (ops/moe/route.py): always, never, None: on a GPU
+        # the two-launch experts of a decode-sized batch (ops/moe/small_batch.py), in forward_static: always,
+        # never, None: on a GPU.  Opt-in until a GPU has timed it against the grouped GEMMs.
+        self.small_batch: bool | None = False
+        self._small_cache: tuple | None = None
         self._stacked: tuple | None = None
         self._grouped_cache: tuple | None = None
         self._host_layout: HostLayout | None = None
@@ -143,9 +149,25 @@ class MoE(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
+        if (x.is_cuda if self.small_batch is None else self.small_batch) and x2.shape[0] <= SMALL_BATCH_TOKENS:
+            # the chosen experts and the shared one in two launches instead of about seventeen
+            return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype)).to(x.dtype).reshape(shape)
         out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else masked_dense(x2, w, idx, *self.stacked_weights())
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)
+
+    def _small_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts and the shared expert stacked for the small-batch kernels (cached per dtype and
+        weight version)."""
+        mods = [*self.experts, self.shared]
+        key = (dtype, tuple((w._version, w.data_ptr()) for m in mods for w in (m.w_gate, m.w_up, m.w_down)))
+        if self._small_cache is None or self._small_cache[0] != key:
+            self._small_cache = None  # the old copy goes before the new one is made
+            with torch.no_grad():
+                stacked = stack_with_shared([m.w_gate for m in mods], [m.w_up for m in mods],
+                                            [m.w_down for m in mods], dtype)
+            self._small_cache = (key, *stacked)
+        return self._small_cache[1], self._small_cache[2]
 
     def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         wg, wu, wd = self.stacked_weights()

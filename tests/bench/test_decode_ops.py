@@ -20,3 +20,14 @@ def test_the_fused_kernels_dispatch_fewer_launches_and_every_op_has_its_site():
     assert "ops/norm.py:rms_norm" in fused["by_site"] and "ops/norm.py:rms_norm" not in plain["by_site"]
     assert sum(sum(c.values()) for c in fused["by_site"].values()) == fused["total"] + fused["triton_launches"]
     assert "?" not in fused["by_site"]  # every op was issued by a target_stack function
+
+
+def test_the_small_batch_experts_take_two_launches_per_moe_layer_for_the_torch_experts():
+    fused = count_step("tiny", "fp32", batch=2)
+    small = count_step("tiny", "fp32", batch=2, small_batch=True)
+    # 3 MoE layers: the routed and the shared experts in two launches each, the torch forms gone
+    assert small["triton_launches"] - fused["triton_launches"] == 3 * 2
+    assert small["by_site"]["ops/moe/small_batch.py:small_batch_experts"]["triton"] == 3 * 2
+    assert "ops/moe/grouped.py:masked_dense" in fused["by_site"]
+    assert "ops/moe/grouped.py:masked_dense" not in small["by_site"]
+    assert small["total"] + small["triton_launches"] < fused["total"] + fused["triton_launches"] - 3 * 10

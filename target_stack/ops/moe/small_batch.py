@@ -1,0 +1,114 @@
+"""The MoE's experts for a decode-sized batch in two Triton launches: every chosen expert and the
+shared expert, SwiGLU and the weighted combine.
+
+    act[t, j] = w[t, j] * silu(W_gate[e] x[t]) * (W_up[e] x[t])      e = idx[t, j]; j = k: the shared expert, w = 1
+    out[t]    = sum_j W_down[e] act[t, j]
+
+A decode step at batch 1 runs, per MoE layer, a dozen launches around a few matrix-vector products in
+torch: the pairs' layout, the gathers, two grouped GEMMs, the activation, the combine, and the shared
+expert's three products and its activation (``bench/decode_ops.py`` counts them).  Here one program per
+(token, expert slot, tile of the hidden size) reads its expert's gate and up rows once and writes the
+scaled activation; then one program per (token, tile of the model dimension) reads the down rows of the
+token's k + 1 experts and sums.  Every program re-reads its experts' weights, so the layer uses this form
+for small batches only (``MAX_TOKENS``): at a larger batch the grouped GEMMs read each expert once.
+
+The expert weights are stacked with the shared expert last (:func:`stack_with_shared`), in the dtype of
+the activations; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from target_stack.ops.utils import CachedLaunch, alloc
+
+MAX_TOKENS = 16  # above this the grouped GEMMs read each expert's weights once and win
+
+
+@triton.jit
+def _gate_up_kernel(x, w, idx, w_gu, act, D, H, E, TOPK: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)  # a (token, slot) pair; slot TOPK is the shared expert
+    i_h = tl.program_id(1)
+    t = p // (TOPK + 1)
+    j = p % (TOPK + 1)
+    routed = j < TOPK
+    e = tl.where(routed, tl.load(idx + t * TOPK + j, mask=routed, other=0), E).to(tl.int64)
+    scale = tl.where(routed, tl.load(w + t * TOPK + j, mask=routed, other=0.0).to(tl.float32), 1.0)
+    o_h = i_h * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    acc_g = tl.zeros([BH], dtype=tl.float32)
+    acc_u = tl.zeros([BH], dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        o_d = d0 + tl.arange(0, BD)
+        m_d = o_d < D
+        xv = tl.load(x + t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        m = m_h[:, None] & m_d[None, :]
+        rows = (e * 2 * H + o_h[:, None]) * D + o_d[None, :]  # [gate; up] of expert e: [2H, D]
+        acc_g += tl.sum(tl.load(w_gu + rows, mask=m, other=0.0).to(tl.float32) * xv[None, :], axis=1)
+        acc_u += tl.sum(tl.load(w_gu + rows + H * D, mask=m, other=0.0).to(tl.float32) * xv[None, :], axis=1)
+    a = acc_g * tl.sigmoid(acc_g) * acc_u * scale
+    tl.store(act + p * H + o_h, a, mask=m_h)
+
+
+@triton.jit
+def _down_kernel(act, idx, w_down, out, D, H, E, TOPK: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i_d = tl.program_id(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOPK + 1):
+        if j < TOPK:  # noqa: SIM108 - a static branch: the shared slot loads no id
+            e = tl.load(idx + t * TOPK + j).to(tl.int64)
+        else:
+            e = t * 0 + E  # the shared expert (an int64 scalar, as the loaded ids are)
+        for h0 in range(0, H, BH):
+            o_h = h0 + tl.arange(0, BH)
+            m_h = o_h < H
+            a = tl.load(act + (t * (TOPK + 1) + j) * H + o_h, mask=m_h, other=0.0)
+            wd = tl.load(w_down + (e * D + o_d[:, None]) * H + o_h[None, :], mask=m_d[:, None] & m_h[None, :],
+                         other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
+    tl.store(out + t * D + o_d, acc, mask=m_d)
+
+
+_gate_up = CachedLaunch(_gate_up_kernel)
+_down = CachedLaunch(_down_kernel)
+
+
+def stack_with_shared(gates: list[torch.Tensor], ups: list[torch.Tensor], downs: list[torch.Tensor],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout :func:`small_batch_experts` reads, from each expert's gate [H, D], up [H, D] and down
+    [D, H] weights with the shared expert last: gate and up rows as [E + 1, 2H, D] and the down weights
+    as [E + 1, D, H], in ``dtype`` (stacked in the weights' own dtype: no wider copy on the way)."""
+    gu = torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups, strict=True)])
+    return gu.to(dtype).contiguous(), torch.stack(list(downs)).to(dtype).contiguous()
+
+
+def small_batch_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, w_gu: torch.Tensor,
+                        w_down: torch.Tensor) -> torch.Tensor:
+    """sum_j w[t, j] expert_{idx[t, j]}(x[t]) + shared(x[t]) for x [T, D] (fp32 out, [T, D]), routing
+    w, idx [T, k], and the weights of :func:`stack_with_shared` (the shared expert last)."""
+    if x.dim() != 2 or w.shape != idx.shape or w.dim() != 2 or w.shape[0] != x.shape[0]:
+        raise ValueError(f"x must be [T, D] and w, idx [T, k]: got {tuple(x.shape)}, {tuple(w.shape)}, "
+                         f"{tuple(idx.shape)}")
+    T, D = x.shape
+    E1, H2, D_ = w_gu.shape
+    E, H, top_k = E1 - 1, H2 // 2, w.shape[1]
+    if D_ != D or H2 % 2 or w_down.shape != (E1, D, H):
+        raise ValueError(f"weights must be [E+1, 2H, {D}] and [E+1, {D}, H]: got {tuple(w_gu.shape)} and "
+                         f"{tuple(w_down.shape)}")
+    x, w, idx = x.contiguous(), w.contiguous(), idx.contiguous()
+    act = alloc(T * (top_k + 1), H, dtype=torch.float32, device=x.device)
+    out = alloc(T, D, dtype=torch.float32, device=x.device)
+    if T:
+        BH, BD = min(triton.next_power_of_2(H), 64), min(triton.next_power_of_2(D), 128)
+        key = (T, D, H, E, top_k, x.dtype, w_gu.dtype, idx.dtype, x.device)
+        _gate_up((T * (top_k + 1), triton.cdiv(H, BH), 1), key, (x, w, idx, w_gu, act, D, H, E),
+                 dict(TOPK=top_k, BH=BH, BD=BD, num_warps=4))
+        BDo, BHo = min(triton.next_power_of_2(D), 64), min(triton.next_power_of_2(H), 128)
+        _down((T, triton.cdiv(D, BDo), 1), key, (act, idx, w_down, out, D, H, E),
+              dict(TOPK=top_k, BD=BDo, BH=BHo, num_warps=4))
+    return out
