@@ -34,6 +34,7 @@ CONVERSIONS = {"_to_copy", "copy_", "to"}
 # ops that launch no kernel: allocations, and the reshape of a matmul's output
 NO_LAUNCH = {"empty", "empty_strided", "new_empty", "empty_like", "new_empty_strided", "_unsafe_view"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
+SUMMARY = ("total", "matmuls", "conversions", "triton_launches")  # what a side-by-side form reports
 
 
 def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: bool = True,
@@ -176,8 +177,8 @@ def main() -> int:
             counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused=fused,
                                       small_batch=small).result())
     r, plain, small = counts
-    r["without_fused_kernels"] = {k: plain[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
-    r["with_small_batch_experts"] = {k: small[k] for k in ("total", "matmuls", "conversions", "triton_launches")}
+    r["without_fused_kernels"] = {k: plain[k] for k in SUMMARY}
+    r["with_small_batch_experts"] = {k: small[k] for k in SUMMARY}
     console = Console()
     console.print(f"one decode step, preset {r['preset']} ({r['layers']} layers), {r['dtype']}, batch {r['batch']}: "
                   f"{r['total']} aten ops that launch ({r['matmuls']} matmuls, {r['conversions']} conversions) "

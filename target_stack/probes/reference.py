@@ -195,9 +195,9 @@ def image_encoder(enc, image: torch.Tensor) -> torch.Tensor:
     return rmsnorm(h, f64(enc.norm.weight))
 
 
-def block(blk, index: int, cfg, h: torch.Tensor, by_position: bool = False):
-    """(h + mixer(norm1 h) then + ffn(norm2 h), smallest margin of its discrete choices) for h [T, dim];
-    with ``by_position`` the margins per position [T] (inf where a position makes no choice).
+def block(blk, index: int, cfg, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + mixer(norm1 h) then + ffn(norm2 h), the smallest margin of its discrete choices at each
+    position [T]: inf where a position makes none) for h [T, dim].
 
     Layer ``index`` (0-based) is sparse attention when (index + 1) % attn_every == 0, else KDA; its
     FFN is the dense SwiGLU in layer 0 and the MoE after it.
@@ -215,9 +215,7 @@ def block(blk, index: int, cfg, h: torch.Tensor, by_position: bool = False):
     else:
         out, margin = moe(x, blk.ffn)
         out, worst = h + out, torch.minimum(worst, margin)
-    if by_position:
-        return out, worst
-    return out, worst.min().item() if worst.numel() else math.inf
+    return out, worst
 
 
 def hybrid_logits(model, tokens: list[int], prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
@@ -237,7 +235,7 @@ def hybrid_logits_by_position(model, tokens: list[int], prefix: torch.Tensor | N
         h = torch.cat([prefix, h])
     worst = torch.full((h.shape[0],), math.inf, dtype=F64)
     for i, blk in enumerate(model.blocks):
-        h, margin = block(blk, i, model.cfg, h, by_position=True)
+        h, margin = block(blk, i, model.cfg, h)
         worst = torch.minimum(worst, margin)
     return rmsnorm(h, f64(model.norm.weight)) @ f64(model.lm_head).T, worst
 

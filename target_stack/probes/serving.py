@@ -319,7 +319,7 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
         else:
             chk.compare(got, want, f"{phase} logits", tolerance=bound, metric=metric, **where)
     if stored_margin != MARGIN:
-        ctx.metric(f"near_tie_steps{metric[len('max_rel_err'):] if metric else ''}", near_ties)
+        ctx.metric(f"near_tie_steps{metric.removeprefix('max_rel_err') if metric else ''}", near_ties)
 
 
 def _check_replay(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
