@@ -10,8 +10,11 @@ torch-eager implementation of the same model, side by side in one run (issue 6).
      replayed from CUDA graphs;
    - the engine as configured by default, with ``fused_kernels`` (one-launch norms and KDA decode
      inputs), its graphs captured with them;
+   - and with the opt-in small-batch MoE experts besides (``MoE.small_batch``: the chosen experts and
+     the shared one in two launches per layer, ops/moe/small_batch.py), its own graphs;
    all through ``LLMEngine.step`` (sampling and scheduling included), median of 20 steps after
-   warm-up, same prompts.  The tiny check runs with the fused kernels off and on.
+   warm-up, same prompts.  The tiny check runs with the fused kernels off and on, and with the
+   small-batch experts.
 Prints a table; writes JSON to $OUT/engine_gpu.json (or bench/out/).
 """
 
@@ -44,15 +47,24 @@ def check_tiny() -> dict:
             seq.append(int(model(torch.tensor([seq], device="cuda"))[0, -1].argmax()))
         refs.append(seq[len(p):])
     out = {}
-    for fused in (False, True):
+    for fused, small in ((False, False), (True, False), (True, True)):
         model.set_fused_kernels(fused)
+        set_small_batch(model, small)
         for graphs in (False, True):
             outs = LLMEngine(model, cuda_graphs=graphs).generate(prompts, SamplingParams(max_tokens=6))
-            name = f"graphs={graphs},fused={fused}"
+            name = f"graphs={graphs},fused={fused}" + (",small_batch=True" if small else "")
             out[name] = [o.tokens for o in outs] == refs
             print(f"tiny fp32 cuda, {name}: equal to recompute: {out[name]}")
     model.set_fused_kernels(False)
+    set_small_batch(model, False)
     return out
+
+
+def set_small_batch(model: HybridModel, on: bool) -> None:
+    """The opt-in two-launch experts of a decode-sized batch in every MoE layer (``MoE.small_batch``)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.small_batch = on
 
 
 def set_kda_backend(model: HybridModel, backend: str) -> None:
@@ -97,6 +109,7 @@ def compare(batches=(1, 16, 64), prompt_len=256) -> dict:
     set_kda_backend(model, "triton")
     engine = LLMEngine(model, cuda_graphs=True, **kw)
     fused = LLMEngine(model, cuda_graphs=True, **kw)  # its graphs captured with the fused kernels on
+    small = LLMEngine(model, cuda_graphs=True, **kw)  # and these with the small-batch experts besides
     rows = {}
     for b in batches:
         set_kda_backend(model, "torch")
@@ -106,11 +119,15 @@ def compare(batches=(1, 16, 64), prompt_len=256) -> dict:
         g = decode_rate(engine, b, prompt_len)
         model.set_fused_kernels(True)
         f = decode_rate(fused, b, prompt_len)
+        set_small_batch(model, True)  # batches past its 16 tokens take the grouped GEMMs as before
+        s = decode_rate(small, b, prompt_len)
+        set_small_batch(model, False)
         rows[b] = {"eager_step_ms": e * 1e3, "engine_step_ms": g * 1e3, "fused_step_ms": f * 1e3,
-                   "eager_tok_s": b / e, "engine_tok_s": b / g, "fused_tok_s": b / f, "speedup": e / g,
-                   "fused_speedup": e / f}
+                   "small_batch_step_ms": s * 1e3, "eager_tok_s": b / e, "engine_tok_s": b / g, "fused_tok_s": b / f,
+                   "speedup": e / g, "fused_speedup": e / f, "small_batch_vs_fused": s / f}
         print(f"batch {b:3d}: plain eager {e * 1e3:8.2f} ms/step ({b / e:8.0f} tok/s) | engine {g * 1e3:7.2f} ms/step "
-              f"({b / g:8.0f} tok/s) | {e / g:5.2f}x | fused {f * 1e3:7.2f} ms/step ({e / f:5.2f}x)", flush=True)
+              f"({b / g:8.0f} tok/s) | {e / g:5.2f}x | fused {f * 1e3:7.2f} ms/step ({e / f:5.2f}x) | "
+              f"small-batch experts {s * 1e3:7.2f} ms/step ({s / f:5.2f}x of fused)", flush=True)
     return rows
 
 

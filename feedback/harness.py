@@ -13,7 +13,7 @@ from feedback.report import content_hashes, localise
 from feedback.runner import Runner
 from feedback.select import order, select, stages
 from feedback.state import StateDir
-from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, verdict
+from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, repeats_for, verdict
 
 
 class UnknownProbe(ValueError):
@@ -61,7 +61,7 @@ def judge(
     tree's own (a manifest kept outside the target, ``--manifest``).
 
     With a baseline, the performance probes (microbench, e2e) run one at a time, each probe's two
-    sides back to back (:func:`_paired`); the other kinds run ``jobs`` at a time, side after side.
+    sides interleaved (:func:`_paired`); the other kinds run ``jobs`` at a time, side after side.
     """
     t0 = time.perf_counter()
     tree = pathlib.Path(tree).resolve()
@@ -134,9 +134,11 @@ def _has(manifest: Manifest, pid: str) -> bool:
 
 def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tuple[list, list]:
     """The performance probes of a comparison, measured side by side: one probe at a time (no other
-    probe shares the machine with a timing), its candidate and baseline runs back to back, the side
-    that goes first alternating from probe to probe.  A pair comes from the cache only whole: a fresh
-    candidate is never held against a baseline timed in another run."""
+    probe shares the machine with a timing), its candidate and baseline repeats interleaved in an ABBA
+    order (candidate, baseline, baseline, candidate, ...: a machine that slows down or speeds up during
+    the pair weighs on both sides alike, where back-to-back blocks of repeats would put the drift in
+    one side), the side that goes first alternating from probe to probe.  A pair comes from the cache
+    only whole: a fresh candidate is never held against a baseline timed in another run."""
     cand: list[ProbeResult] = []
     base: list[ProbeResult] = []
     for i, spec in enumerate(group):
@@ -144,18 +146,36 @@ def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tupl
         sides = [("candidate", runner, spec, cand), ("baseline", base_runner, b_spec, base)]
         if i % 2:
             sides.reverse()
-        hits = [r.cached(s) if s is not None else None for _, r, s, _ in sides]
-        whole = all(h is not None for h, (_, _, s, _) in zip(hits, sides) if s is not None)
-        for (side, r, s, out), hit in zip(sides, hits):
-            if s is None:
-                continue
-            if whole:
+        sides = [s for s in sides if s[2] is not None]
+        hits = [r.cached(s) for _, r, s, _ in sides]
+        if all(h is not None for h in hits):
+            for (side, _, _, out), hit in zip(sides, hits):
                 out.append(hit)
                 if on_result:
                     on_result(side, hit)
-            else:
-                out += r.run([s], on_done=(lambda res, side=side: on_result(side, res)) if on_result else None,
-                             fresh=True)
+            continue
+        runs: list[list[ProbeResult]] = [[] for _ in sides]
+        reported = [True] * len(sides)
+        done = [False] * len(sides)
+        for k in range(max(repeats_for(s.kind, s.repeats) for _, _, s, _ in sides)):
+            order = range(len(sides)) if k % 2 == 0 else reversed(range(len(sides)))
+            for j in order:
+                _, r, s, _ = sides[j]
+                if done[j] or k >= repeats_for(s.kind, s.repeats):
+                    continue
+                try:
+                    res, ok = r.run_once(s)
+                except Exception as exc:  # noqa: BLE001 - the harness never crashes on a probe
+                    res, ok = ProbeResult(probe=s.id, status=Status.error, reason=f"harness: {exc}",
+                                          environment_failure=True), False
+                runs[j].append(res)
+                reported[j] &= ok
+                done[j] = res.status not in (Status.passed, Status.failed)  # repeating would say the same
+        for (side, r, s, out), rs, ok in zip(sides, runs, reported):
+            res = r.settle(s, rs, ok)
+            out.append(res)
+            if on_result:
+                on_result(side, res)
     return cand, base
 
 

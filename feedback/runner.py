@@ -274,6 +274,26 @@ class Runner:
             self._cache_put(key, result)
         return result
 
+    def run_once(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
+        """One run of a probe, here or on the executor: no repeats, no thresholds, no cache.  (result,
+        whether the probe itself reported it.)  A paired measurement interleaves these and hands the runs
+        to :meth:`settle`."""
+        one = spec.model_copy(update={"repeats": 1})
+        try:
+            return self.executor.run(self, one) if self.executor is not None else self.execute(one)
+        except BaseException:  # Ctrl-C: no probe process outlives the harness
+            for proc in list(self._live):
+                self._kill_group(proc)
+            raise
+
+    def settle(self, spec: ProbeSpec, runs: list[ProbeResult], reported: bool) -> ProbeResult:
+        """The result :meth:`run_one` would give for these runs of ``spec``: combined, its thresholds
+        applied to the medians, cached when every run was the probe's own report."""
+        result = apply_thresholds(spec, combine_runs(runs))
+        if self.use_cache and reported:
+            self._cache_put(self.cache_key(spec), result)
+        return result
+
     def execute(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """Run the probe here (``repeats`` times for the performance kinds): (result, whether the probe
         itself reported it).  An executor elsewhere (``feedback/ray_executor.py``) calls this on its worker."""

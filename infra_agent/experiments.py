@@ -275,20 +275,45 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                         details=details, duration_s=time.perf_counter() - t0)
 
 
-def _confirm(comparisons: list, rerun) -> tuple[list, list[str]]:
+def _confirm(comparisons: list, rerun) -> tuple[list, list]:
     """A performance probe worse than its base in one side-by-side run is run side by side once more,
-    and counts as regressed only if it is worse again (a 3-repeat A/A floor on a busy 2-core machine
-    is itself noisy; two independent runs agreeing are evidence).  (comparisons to judge by, notes)"""
-    worse = [c.probe for c in comparisons if any(d.verdict == "regressed" for d in c.deltas)]
+    and a metric counts as regressed only if that same metric is worse again (a 3-repeat A/A floor on
+    a busy 2-core machine is itself noisy, and a serving probe has seven metrics: two runs agreeing on
+    one metric are evidence, two runs each tripping on a different one are not).
+    (comparisons to judge by, notes)"""
+    first = {c.probe: {d.name for d in c.deltas if d.verdict == "regressed"} for c in comparisons}
+    worse = [pid for pid, names in first.items() if names]
     if not worse:
         return comparisons, []
     again = {c.probe: c for c in rerun(worse)}
-    notes = []
+    notes, judged = [], {}
     for pid in worse:
-        still = pid in again and any(d.verdict == "regressed" for d in again[pid].deltas)
-        notes.append(f"{pid}: worse than its base in a first side-by-side run; "
-                     + ("worse again in a second: counted" if still else "not in a second: not counted"))
-    return [again.get(c.probe, c) if c.probe in worse else c for c in comparisons], notes
+        second = again.get(pid)
+        if second is None:  # the second run lost the probe: nothing confirms the first
+            notes.append(f"{pid}: worse than its base in a first side-by-side run; no second run: not counted")
+            continue
+        deltas = []
+        for d in second.deltas:
+            if d.verdict == "regressed" and d.name not in first[pid]:
+                d = d.model_copy(update={"verdict": "unchanged", "note": "worse in the second side-by-side run only"})
+            deltas.append(d)
+        judged[pid] = second.model_copy(update={"deltas": deltas})
+        both = sorted(d.name for d in deltas if d.verdict == "regressed")
+        names = ", ".join(sorted(first[pid]))
+        notes.append(f"{pid}: {names} worse than its base in a first side-by-side run; "
+                     + (f"{', '.join(both)} worse again in a second: counted" if both
+                        else "not in a second: not counted"))
+    out = []
+    for c in comparisons:
+        if c.probe in judged:
+            out.append(judged[c.probe])
+        elif c.probe in worse:  # unconfirmed: shown as measured, not counted
+            out.append(c.model_copy(update={"deltas": [
+                d.model_copy(update={"verdict": "unchanged", "note": "no second side-by-side run"})
+                if d.verdict == "regressed" else d for d in c.deltas]}))
+        else:
+            out.append(c)
+    return out, notes
 
 
 def junit_xml(results: list[ReplayResult]) -> str:

@@ -149,8 +149,8 @@ def _pair_tree(root: pathlib.Path, log: pathlib.Path) -> pathlib.Path:
 
 def test_timings_of_a_comparison_run_alone_side_by_side_and_never_against_a_stale_baseline(tmp_path):
     """Microbenchmarks with a baseline: one probe at a time on the machine (jobs=4 notwithstanding), each
-    probe's candidate and baseline back to back, the side going first alternating; and a candidate is
-    re-timed with its baseline when the cache holds only one of the two."""
+    probe's candidate and baseline repeats interleaved (ABBA), the side going first alternating; and a
+    candidate is re-timed with its baseline when the cache holds only one of the two."""
     log = tmp_path / "runs.jsonl"
     base = _pair_tree(tmp_path / "base", log)
     cand = _pair_tree(tmp_path / "cand", log)
@@ -163,8 +163,8 @@ def test_timings_of_a_comparison_run_alone_side_by_side_and_never_against_a_stal
     spans = sorted((r["t0"], r["t1"]) for r in runs)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two timings overlapped"
     order = [(r["probe"], r["tree"]) for r in sorted(runs, key=lambda r: r["t0"])]
-    assert order == [("b0", "cand")] * 2 + [("b0", "base")] * 2 + [("b1", "base")] * 2 + [("b1", "cand")] * 2 \
-        + [("b2", "cand")] * 2 + [("b2", "base")] * 2
+    abba = lambda p, a, b: [(p, a), (p, b), (p, b), (p, a)]  # noqa: E731
+    assert order == abba("b0", "cand", "base") + abba("b1", "base", "cand") + abba("b2", "cand", "base")
     timed = [r for r in report.results if r.probe.startswith("b")]
     assert len(timed) == 3 and not any(r.cached for r in timed)  # cached alone, re-timed beside its baseline
     assert next(r for r in report.results if r.probe == "c0").cached  # a correctness probe keeps its cache

@@ -144,3 +144,31 @@ def test_a_replayed_slowdown_counts_only_when_a_second_side_by_side_run_confirms
     assert judged[0].deltas[0].verdict == "regressed" and "counted" in notes[0]
     untouched, notes = _confirm([comp("improved")], lambda ids: pytest.fail("no second run without a slowdown"))
     assert notes == [] and untouched[0].deltas[0].verdict == "improved"
+    lost, notes = _confirm([comp("regressed")], lambda ids: [])
+    assert lost[0].deltas[0].verdict == "unchanged" and "not counted" in notes[0]
+
+
+def test_a_replayed_slowdown_counts_only_where_both_runs_agree_on_the_metric():
+    from feedback.models import MetricDelta, ProbeComparison, ProbeResult, Status
+    from feedback.verdict import replay_regressions
+    from infra_agent.experiments import _confirm
+
+    def comp(**verdicts: str) -> ProbeComparison:
+        return ProbeComparison(probe="p.e2e", kind="e2e", baseline="pass", candidate="pass", deltas=[
+            MetricDelta(name=n, baseline=10.0, candidate=13.0, change=1.3, ci=(1.1, 1.5), noise=0.05, verdict=v)
+            for n, v in verdicts.items()])
+
+    # seven noisy serving metrics: the first run trips on TTFT, the second on TPOT: no metric is worse twice
+    judged, notes = _confirm([comp(ttft_ms="regressed", tpot_ms="unchanged")],
+                             lambda ids: [comp(ttft_ms="unchanged", tpot_ms="regressed")])
+    assert [d.verdict for d in judged[0].deltas] == ["unchanged", "unchanged"]
+    assert "second side-by-side run only" in judged[0].deltas[1].note and "not counted" in notes[0]
+    then = [("e2e", ProbeResult(probe="p.e2e", status=Status.passed))]
+    now = [ProbeResult(probe="p.e2e", status=Status.passed)]
+    assert replay_regressions(then, now, [], against_base=judged)[0] == []
+    # the same metric worse twice: counted, and named
+    judged, notes = _confirm([comp(ttft_ms="regressed", tpot_ms="regressed")],
+                             lambda ids: [comp(ttft_ms="unchanged", tpot_ms="regressed")])
+    assert [d.verdict for d in judged[0].deltas] == ["unchanged", "regressed"]
+    assert "tpot_ms worse again in a second: counted" in notes[0]
+    assert replay_regressions(then, now, [], against_base=judged)[0]
