@@ -11,7 +11,7 @@ from feedback.manifest import MANIFEST_NAME, Manifest, ProbeSpec, load_manifest
 from feedback.models import FeedbackReport, ProbeResult, Status
 from feedback.report import content_hashes, localise
 from feedback.runner import Runner
-from feedback.select import order, select, stages
+from feedback.select import order, rechecked, select, stages
 from feedback.state import StateDir
 from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, repeats_for, verdict
 
@@ -47,10 +47,13 @@ def judge(
     same_judges: bool = False,
     baseline_manifest: Manifest | None = None,
     executor=None,
+    failing: list[ProbeResult] | None = None,
 ) -> FeedbackReport:
     """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
 
-    Probes are the named ones, or those whose covers match ``changed``, or all of them.  Stages
+    Probes are the named ones, or those whose covers match ``changed`` (and of ``failing``, the
+    baseline's results that did not pass, those that imported a changed file: :func:`rechecked`), or
+    all of them.  Stages
     run cheapest first (static, correctness, microbench, trace, events, e2e); the cascade stops
     after the first stage in which a candidate probe fails, unless ``run_all``.
 
@@ -69,8 +72,11 @@ def judge(
     if probe_ids:
         specs, selection = order(resolve_probes(manifest, probe_ids)), "probes " + ", ".join(probe_ids)
     elif changed is not None:
-        specs = select(manifest, changed)
+        specs = select(manifest, changed, failing)
         selection = f"{len(specs)} of {len(manifest.probes)} probes cover the {len(changed)} changed file(s)"
+        if again := rechecked(manifest, changed, failing):
+            selection += (f", {len(again)} of them ({', '.join(sorted(again))}) because they failed on the "
+                          f"baseline and import a changed file")
     else:
         specs, selection = order(list(manifest.probes)), "all probes"
     cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(tree).cache

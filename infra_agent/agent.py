@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from feedback.harness import judge
 from feedback.models import FeedbackReport
+from feedback.select import FAILING
 from feedback.verdict import evidence, verdict
 from infra_agent import Backend, Workspace, gate
 from infra_agent.exceptions import FormatError, LimitsExceeded, Submitted
@@ -109,6 +110,11 @@ class Agent:
                        on_result=self._probe_ended)
         self.emit("feedback", {"report": report})
         return report
+
+    def baseline_failing(self) -> list:
+        """The baseline's failed, erroring or timed-out results: a patch is judged again on those that
+        import a file it changes, whatever their covers say (:func:`feedback.select.rechecked`)."""
+        return [r for r in (self.feedback.results if self.feedback else []) if r.status in FAILING]
 
     def run(self, restored: bool = False) -> str:
         """The session to its end.  ``restored``: the conversation, steps and attempts were put back by
@@ -258,7 +264,7 @@ class Agent:
         report = judge(cand.path, changed=patch.paths, baseline_tree=base.path, baseline_label=base.base[:10],
                        label=cand.name, jobs=self.jobs, cache_dir=self.cache_dir, same_judges=True,
                        manifest=judges, baseline_manifest=judges, executor=self.executor,
-                       on_result=self._probe_ended)
+                       on_result=self._probe_ended, failing=self.baseline_failing())
         record.report = report
         judgement = report.verdict or verdict(report)
         record.verdict, record.reason = judgement.name, judgement.reason

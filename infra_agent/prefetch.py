@@ -60,7 +60,8 @@ def _judge(agent, actions) -> int:
             patch = Patch.parse(action.args["diff"], manifest)
         except PatchError:
             continue  # the loop will say why when it is proposed
-        ids = [s.id for s in select(judges or manifest, patch.paths) if not judged_by_performance(s.kind)]
+        ids = [s.id for s in select(judges or manifest, patch.paths, agent.baseline_failing())
+               if not judged_by_performance(s.kind)]
         if not ids:
             continue
         cand = agent.ws.new_candidate()
