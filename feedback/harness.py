@@ -51,11 +51,10 @@ def judge(
 ) -> FeedbackReport:
     """Run the probe cascade on ``tree`` (and on ``baseline_tree`` for comparison).
 
-    Probes are the named ones, or those whose covers match ``changed`` (and of ``failing``, the
-    baseline's results that did not pass, those that imported a changed file: :func:`rechecked`), or
-    all of them.  Stages
-    run cheapest first (static, correctness, microbench, trace, events, e2e); the cascade stops
-    after the first stage in which a candidate probe fails, unless ``run_all``.
+    Probes are the named ones, or those whose covers match ``changed`` (and those of ``failing``, the
+    baseline's results, that failed and imported a changed file: :func:`feedback.select.rechecked`),
+    or all of them.  Stages run cheapest first (static, correctness, microbench, trace, events, e2e);
+    the cascade stops after the first stage in which a candidate probe fails, unless ``run_all``.
 
     The judges (the manifest, the protected files, the probes' modules) are hashed before and after
     the run: a candidate whose code changed them while its probes ran is judged ``incorrect``, and
@@ -164,8 +163,8 @@ def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tupl
         reported = [True] * len(sides)
         done = [False] * len(sides)
         for k in range(max(repeats_for(s.kind, s.repeats) for _, _, s, _ in sides)):
-            order = range(len(sides)) if k % 2 == 0 else reversed(range(len(sides)))
-            for j in order:
+            turn = range(len(sides)) if k % 2 == 0 else reversed(range(len(sides)))
+            for j in turn:
                 _, r, s, _ = sides[j]
                 if done[j] or k >= repeats_for(s.kind, s.repeats):
                     continue

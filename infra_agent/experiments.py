@@ -275,7 +275,7 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                         details=details, duration_s=time.perf_counter() - t0)
 
 
-def _confirm(comparisons: list, rerun) -> tuple[list, list]:
+def _confirm(comparisons: list, rerun) -> tuple[list, list[str]]:
     """A performance probe worse than its base in one side-by-side run is run side by side once more,
     and a metric counts as regressed only if that same metric is worse again (a 3-repeat A/A floor on
     a busy 2-core machine is itself noisy, and a serving probe has seven metrics: two runs agreeing on
