@@ -42,6 +42,8 @@ from feedback.verdict import combine_runs, repeats_for
 TAIL = 4000  # characters of stdout/stderr kept in a result
 ARMED_KINDS = ("microbench", "e2e")  # their clocks are kept before the tree loads (feedback/timing.py)
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: the folder of the pytest plugin that records a pytest probe's imports (alone in it, so first on the path)
+PYTEST_PLUGIN = str(pathlib.Path(__file__).resolve().parent / "pytest_plugin")
 
 
 def gpu_present() -> bool:
@@ -314,7 +316,7 @@ class Runner:
 
     def _spawn(self, spec: ProbeSpec, argv: list[str] | str, shell: bool,
                stamps: list[tuple[float, str]] | None = None,
-               warm: bool = False) -> tuple[int | None, str, str, float, bool]:
+               warm: bool = False, path_first: str | None = None) -> tuple[int | None, str, str, float, bool]:
         """Run in a new process group; kill the group at the budget.  (rc, out, err, secs, timed_out)
 
         With ``stamps``, the probe gets the write end of a pipe (``INFRA_AGENT_WITNESS_FD``) and every
@@ -328,6 +330,8 @@ class Runner:
                 resource.setrlimit(resource.RLIMIT_AS, (limit * 2**20, limit * 2**20))
 
         env, fds, reader = self.env(spec), (), None
+        if path_first:  # a folder ahead of everything else on the probe's import path
+            env["PYTHONPATH"] = os.pathsep.join([path_first, env["PYTHONPATH"]])
         if stamps is not None:
             rfd, wfd = os.pipe()
             env[WITNESS_FD], fds = str(wfd), (wfd,)
@@ -446,11 +450,21 @@ class Runner:
 
         with tempfile.TemporaryDirectory(prefix="infra-agent-pytest-") as tmp:
             xml = pathlib.Path(tmp) / "junit.xml"
+            imports = pathlib.Path(tmp) / "imports.json"
             cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
-                              f"--junitxml={xml}", "-o", "junit_family=xunit1", *spec.pytest])
+                              f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "infra_agent_imports",
+                              f"--infra-agent-imports={imports}", f"--infra-agent-tree={self.tree}", *spec.pytest])
             rc, stdout, stderr, secs, timed_out = self._spawn(
-                spec, [sys.executable, "-m", "feedback.lifeline", "--", cmd], shell=False)
+                spec, [sys.executable, "-m", "feedback.lifeline", "--", cmd], shell=False, path_first=PYTEST_PLUGIN)
             base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
+            # the tree's files the tests imported (feedback/pytest_plugin/), one file per pytest process:
+            # the cache and the selection use them
+            for part in imports.parent.glob(imports.name + ".*"):
+                try:
+                    if not part.name.endswith(".tmp"):
+                        base.setdefault("imports", {}).update(json.loads(part.read_text()))
+                except (OSError, ValueError):
+                    pass
             if timed_out:
                 return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
                                    "process group killed", **base), False

@@ -198,3 +198,24 @@ def test_checks_run_from_many_threads_at_once(tmp_path):
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         counts = list(pool.map(lambda _: run_check("dot_precision", tmp_path)[1], range(24)))
     assert counts == [40] * 24
+
+
+def test_a_pytest_probe_records_what_it_imported_so_its_cache_and_selection_follow_those_files(ext):
+    """The tests import pkg/core.py; a probe whose covers name only the test file still sees a change to
+    core.py: its cached result no longer holds, and a failing one is selected again for that change.
+    """
+    from feedback.select import select
+
+    (ext / "infra-agent.yaml").write_text("schema_version: 1\nname: x\nprobes:\n"
+                                          "  - {id: t, kind: correctness, pytest: [tests/test_core.py], "
+                                          "covers: {files: [tests/test_core.py]}}\n")
+    manifest = load_manifest(ext)
+    runner = Runner(ext, manifest, cache_dir=str(ext.parent / "cache"))
+    first = runner.run(manifest.probes)[0]
+    assert first.status == Status.failed and {"pkg/core.py", "tests/test_core.py"} <= set(first.imports)
+    assert not first.cached and runner.run(manifest.probes)[0].cached
+    assert [p.id for p in select(manifest, ["pkg/core.py"], [first])] == ["t"]
+    (ext / "pkg" / "core.py").write_text(CORE.replace("sum(xs) / len(xs)", "sum(xs) / max(len(xs), 1)"))
+    again = Runner(ext, manifest, cache_dir=str(ext.parent / "cache")).run(manifest.probes)[0]
+    assert not again.cached  # core.py changed, though the covers do not name it
+    assert again.metrics["failed"].value < first.metrics["failed"].value
