@@ -7,8 +7,9 @@ notice by themselves.  On Linux each one asks the kernel for a signal when its p
 children included; a parent already gone before the request (the race between fork and prctl)
 is caught by comparing ``getppid()`` with the harness's pid from ``INFRA_AGENT_HARNESS_PID``.
 
-Python probes call :func:`bind` first thing in ``feedback.worker``; command probes run under
-``python -m feedback.lifeline -- CMD``, which binds itself and runs ``CMD`` in a shell as its child.
+Python probes call :func:`bind` first thing in ``feedback.worker``; command and pytest probes run under
+``python -I .../feedback/lifeline.py -- CMD`` (standard library only: it runs isolated from the target's
+path), which binds itself and runs ``CMD`` in a shell as its child.
 Elsewhere than Linux it does nothing (the runner's own kills still hold while it lives).
 """
 
@@ -46,11 +47,11 @@ def bind() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m feedback.lifeline -- CMD``: run the shell command ``CMD`` bound to the harness."""
+    """``python -I lifeline.py -- CMD``: run the shell command ``CMD`` bound to the harness."""
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if len(argv) != 1:
-        print("usage: python -m feedback.lifeline -- 'shell command'", file=sys.stderr)
+        print("usage: python -I lifeline.py -- 'shell command'", file=sys.stderr)
         return 2
     bind()
     return subprocess.call(argv[0], shell=True)

@@ -42,6 +42,10 @@ from feedback.verdict import combine_runs, repeats_for
 TAIL = 4000  # characters of stdout/stderr kept in a result
 ARMED_KINDS = ("microbench", "e2e")  # their clocks are kept before the tree loads (feedback/timing.py)
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: the lifeline that command and pytest probes run under, started by path in isolated mode (``-I``: no
+#: PYTHONPATH, no current folder), so a target's own top-level ``feedback`` package (or a ``signal.py``
+#: at its root) cannot stand in for it or for the standard library it imports
+LIFELINE = [sys.executable, "-I", str(pathlib.Path(__file__).resolve().parent / "lifeline.py")]
 #: the folder of the pytest plugin that records a pytest probe's imports (alone in it, so first on the path)
 PYTEST_PLUGIN = str(pathlib.Path(__file__).resolve().parent / "pytest_plugin")
 
@@ -455,7 +459,7 @@ class Runner:
                               f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "infra_agent_imports",
                               f"--infra-agent-imports={imports}", f"--infra-agent-tree={self.tree}", *spec.pytest])
             rc, stdout, stderr, secs, timed_out = self._spawn(
-                spec, [sys.executable, "-m", "feedback.lifeline", "--", cmd], shell=False, path_first=PYTEST_PLUGIN)
+                spec, [*LIFELINE, "--", cmd], shell=False, path_first=PYTEST_PLUGIN)
             base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
             # the tree's files the tests imported (feedback/pytest_plugin/), one file per pytest process:
             # the cache and the selection use them
@@ -488,7 +492,7 @@ class Runner:
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""
-        argv = [sys.executable, "-m", "feedback.lifeline", "--", spec.command]  # the shell dies with the harness
+        argv = [*LIFELINE, "--", spec.command]  # the shell dies with the harness
         rc, stdout, stderr, secs, timed_out = self._spawn(spec, argv, shell=False)
         base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
         if timed_out:

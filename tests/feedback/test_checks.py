@@ -203,9 +203,12 @@ def test_checks_run_from_many_threads_at_once(tmp_path):
 def test_a_pytest_probe_records_what_it_imported_so_its_cache_and_selection_follow_those_files(ext):
     """The tests import pkg/core.py; a probe whose covers name only the test file still sees a change to
     core.py: its cached result no longer holds, and a failing one is selected again for that change.
+    A top-level package of the harness's own name in the target does not stop the probe or the recording.
     """
     from feedback.select import select
 
+    (ext / "feedback").mkdir()  # the target's own `feedback` package, first on the probe's path
+    (ext / "feedback" / "__init__.py").write_text("raise ImportError('the target's own feedback package')\n")
     (ext / "infra-agent.yaml").write_text("schema_version: 1\nname: x\nprobes:\n"
                                           "  - {id: t, kind: correctness, pytest: [tests/test_core.py], "
                                           "covers: {files: [tests/test_core.py]}}\n")
