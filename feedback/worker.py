@@ -16,6 +16,9 @@ import sys
 import time
 import traceback
 
+# one recording of a process's tree imports for every probe kind (pytest probes load it as a plugin)
+from feedback.pytest_plugin.infra_agent_imports import tree_imports
+
 
 def _innermost_tree_frame(tb, tree: pathlib.Path) -> str | None:
     where = None
@@ -27,21 +30,6 @@ def _innermost_tree_frame(tb, tree: pathlib.Path) -> str | None:
             continue
         where = f"{rel}:{lineno} in {frame.f_code.co_name}"
     return where
-
-
-def tree_imports(tree: pathlib.Path) -> dict[str, str]:
-    """The tree's source files among this process's modules, relative path -> sha256 of the file."""
-    import hashlib
-
-    out = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if not path:
-            continue
-        path = pathlib.Path(path).resolve()
-        if tree in path.parents and path.is_file():
-            out[str(path.relative_to(tree))] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return dict(sorted(out.items()))
 
 
 def main(argv: list[str]) -> int:
