@@ -106,10 +106,15 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     import triton.runtime.interpreter as interp
     import triton.runtime.jit as jit
 
-    for owner in (jit.JITFunction, getattr(interp, "InterpretedFunction", None)):
-        if owner is None or "run" not in vars(owner):
+    from target_stack.ops.utils import CachedLaunch
+
+    # a launch: Triton's generic path, the interpreter's, or a compiled kernel's own launcher (CachedLaunch,
+    # where a GPU has compiled it: it bypasses Triton's run); what one of them calls inside is the same launch
+    for owner, attr in ((jit.JITFunction, "run"), (getattr(interp, "InterpretedFunction", None), "run"),
+                        (CachedLaunch, "__call__")):
+        if owner is None or attr not in vars(owner):
             continue
-        original = owner.run
+        original = getattr(owner, attr)
 
         def run(self, *a, _original=original, **kw):
             if not counter.paused:
@@ -119,14 +124,14 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
                 return _original(self, *a, **kw)
             finally:
                 counter.paused -= 1
-        owner.run = run
-        restore.append((owner, original))
+        setattr(owner, attr, run)
+        restore.append((owner, attr, original))
     try:
         with torch.no_grad(), counter:
             runner.decode_step(tokens, lengths, slots, table, static=True)
     finally:
-        for owner, original in restore:
-            owner.run = original
+        for owner, attr, original in restore:
+            setattr(owner, attr, original)
     by_name: collections.Counter = collections.Counter()
     by_site: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for (name, site), n in counter.ops.items():

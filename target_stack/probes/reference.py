@@ -409,8 +409,10 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     that a crash of the code under test (a segfault in native code, a heap an out-of-bounds kernel
     corrupted in the interpreter) is a failure located at its innermost frame, or at ``where``,
     instead of the probe's death.  The child's findings, metrics and ``checker`` errors come back.
-    On a GPU (no fork after CUDA) or without fork, ``fn`` runs here.  Returns (completed, fn's
-    value); an exception from ``fn`` is a failure at ``where`` too."""
+    On a GPU (no fork after CUDA) or without fork, ``fn`` runs here; a fault of the device there (a
+    kernel's illegal memory access, a device-side assert: sticky, every later call fails) is one
+    failure at ``where``, and every later ``isolated`` call of the probe is skipped (``device_lost``).
+    Returns (completed, fn's value); an exception from ``fn`` is a failure at ``where`` too."""
     import faulthandler
     import os
     import pickle
@@ -420,11 +422,24 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     def raised(exc: Exception) -> None:
         ctx.fail(f"raised {type(exc).__name__}: {exc}".splitlines()[0][:300], **where)
 
+    if device_lost(ctx):
+        return False, None
     if ctx.device != "cpu" or not hasattr(os, "fork"):
         try:
-            return True, fn()
+            value = fn()
+            _synchronize(ctx.device)  # a kernel's fault surfaces at a later call: here, within fn's own checks
+            return True, value
         except Exception as exc:  # noqa: BLE001 - a failure of the code under test, located
-            raised(exc)
+            fault = _device_fault(ctx.device)
+            if fault is None:
+                raised(exc)
+                return False, None
+            ctx.device_lost = fault
+            ctx.fail(f"{DEVICE_FAULT} while this ran ({fault}); a kernel read or wrote out of bounds, or a device-side "
+                     "assert fired: CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer names the kernel. The probe's later "
+                     "checks on the device are skipped", **where)
+            if checker is not None:
+                checker.worst = math.inf
             return False, None
     before = len(ctx.findings)
     with tempfile.TemporaryFile() as trace:  # the child's Python stack at a crash, from faulthandler
@@ -471,6 +486,28 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
         for name, err in state[1].items():
             checker.track(err, name)
     return done, value
+
+
+DEVICE_FAULT = "the device faulted"
+
+
+def device_lost(ctx) -> str | None:
+    """The fault that left the probe's device unusable (recorded by ``isolated``), or None."""
+    return getattr(ctx, "device_lost", None)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device_fault(device: str) -> str | None:
+    """On a CUDA device: None while it still completes work, else the error a synchronisation raises."""
+    try:
+        _synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - the device's own report of what went wrong
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return None
 
 
 def _crash_frame(dump: str, tree: str) -> tuple[str, str] | None:

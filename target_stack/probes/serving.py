@@ -144,6 +144,25 @@ def sampler(ctx: ProbeContext) -> None:
 # -- the engine against the float64 model ----------------------------------------------------------
 
 
+def _blame(model, tokens: list[int], at: list[int], got: torch.Tensor, want: torch.Tensor, bound: float,
+           tolerance: float, diagnosed: set) -> list[tuple[str, str, float]]:
+    """The model components off on the input of an engine step that is off: the sequence up to the
+    first such step's position (a carried state is judged at the length the engine carried it), then
+    the whole sequence.  ``at``: each step's position among ``tokens``.  A prefix diagnosed before
+    (``diagnosed``, updated) is not diagnosed again: what was clean there stays clean; at most
+    ``DIAGNOSES`` per configuration (a runner defect makes every step off, on clean components)."""
+    first = next((q for q, g, w in zip(at, got, want) if not rel_err(g, w) <= bound), None)
+    for end in dict.fromkeys(([first + 1] if first is not None and first >= 1 else []) + [len(tokens)]):
+        key = tuple(tokens[:end])
+        if key in diagnosed or len(diagnosed) >= DIAGNOSES:
+            continue
+        diagnosed.add(key)
+        found = _components_off(model, list(key), tolerance)
+        if found:
+            return found
+    return []
+
+
 def _components_off(model, tokens: list[int], tolerance: float) -> list[tuple[str, str, float]]:
     """The model components the runner uses (norms, mixers, FFNs, embedding) that depart from their
     definitions; the runner wires the blocks itself, so Block.forward and HybridModel.forward are not
@@ -176,6 +195,8 @@ def _record(runner) -> list[tuple[int, int, str, torch.Tensor, int | None]]:
     return records
 
 
+DIAGNOSES = 6  # float64 recomputes of the model's components per engine configuration, at most
+
 _WHERE = {"prefill": dict(file=RUNNER, symbol="ModelRunner.prefill_from"),
           "prefix": dict(file=PREFIX, symbol="PrefixCache.match / PrefixEntry.restore (ModelRunner.prefill_from)"),
           "decode": dict(file=RUNNER, symbol="ModelRunner.decode / decode_step")}
@@ -186,7 +207,8 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
     recorded steps per sequence and phase as [(phase, condition, logits, float64 logits, (position,
     token, its logit, the argmax, its logit) of each token that is not its step's argmax, tokens,
     logits of the model's own forward, per step the smallest margin of the float64 model's choices
-    at the positions computed from stored KV up to the step's own (inf for a prefill from scratch))],
+    at the positions computed from stored KV up to the step's own (inf for a prefill from scratch),
+    each step's position among the tokens)],
     the smallest margin of the float64 model's discrete choices, the model, and the engine's
     preemptions."""
     from target_stack.engine import LLMEngine, SamplingParams
@@ -237,7 +259,7 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
                       for q, t, row in zip(pos, (chosen[q] for q in pos), logits)
                       if bool(torch.isfinite(row).all()) and row[t] != row.max()]
             rows.append((phase, cond, logits, want[pos], greedy, tokens, own[pos],
-                         torch.tensor([m for _, _, m in got], dtype=torch.float64)))
+                         torch.tensor([m for _, _, m in got], dtype=torch.float64), [q - offset for q in pos]))
     return rows, margin, model, engine.preemptions
 
 
@@ -257,7 +279,8 @@ def engine_reference(ctx: ProbeContext) -> None:
                            file=ENGINE, symbol="LLMEngine.generate", condition=name)
         if not done:
             chk.track(math.inf, config.get("metric"))
-    _check_replay(ctx, chk, Draw(ctx.device))
+    if not ref.device_lost(ctx):  # a device that faulted runs nothing more (named by isolated)
+        _check_replay(ctx, chk, Draw(ctx.device))
     chk.report()
 
 
@@ -282,7 +305,7 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
             if preempts:
                 ctx.check(preemptions > 0, "no preemption: the probe's memory is too roomy for this configuration",
                           file="target_stack/engine/scheduler.py", symbol="Scheduler.schedule", condition=name)
-        steps = [r[-1] for r in rows if r[0] != "prefill"]
+        steps = [r[7] for r in rows if r[0] != "prefill"]  # the stored margins
         judged = sum(int((m > stored_margin).sum()) for m in steps)
         if ctx.failed != failed or (margin > MARGIN and judged * 2 >= sum(m.numel() for m in steps)):
             break
@@ -290,8 +313,11 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
     # (experts, kept blocks) at those positions: a step is held to the float64 model only where they
     # are clear of a tie by more than the storage's ``margin``.  The rest are counted.
     near_ties = 0
-    blamed = None  # the model's own components, judged once the engine is off somewhere
-    for phase, cond, got, want, wrong, tokens, own, stored in rows:
+    judged = []  # (phase, condition, engine logits, float64 logits, the model's own forward), steps clear of ties
+    blamed: list = []  # the model's own components found off, on the input of an engine step that is off
+    diagnosed: set[tuple[int, ...]] = set()  # the token prefixes already diagnosed
+    bound = chk.tolerance if tol is None else tol
+    for phase, cond, got, want, wrong, tokens, own, stored, at in rows:
         ctx.check(not wrong, f"greedy tokens {[t for _, t, *_ in wrong]} are not the argmax of the step's logits "
                   + "(" + "; ".join(f"position {q}: token {t} scores {lt:.6g}, token {a} {la:.6g}"
                                     for q, t, lt, a, la in wrong[:3]) + ")",
@@ -301,23 +327,29 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
         if not keep.any():
             continue
         got, want, own = got[keep], want[keep], own[keep]
+        at = [q for q, k in zip(at, keep.tolist()) if k]
+        judged.append((phase, cond, got, want, own))
+        if not rel_err(got, want) <= bound and not blamed:
+            blamed = _blame(model, tokens, at, got, want, bound, chk.tolerance, diagnosed)
+    # every step is judged once the diagnosis has seen every step that is off: which steps a component
+    # that is off shows on depends on what the engine carried at which length, not on the steps' order
+    for file, symbol, err in blamed:
+        ctx.fail(f"the engine's logits are off, and the model's {symbol} departs from its definition "
+                 f"on its own input (rel. error {err:.2e})", file=file, symbol=symbol, condition=name)
+    carried = any(symbol in ref.CARRIED for _, symbol, _ in blamed)
+    for phase, cond, got, want, own in judged:
         where = dict(_WHERE[phase], condition=f"{name}; {cond}")
-        bound = chk.tolerance if tol is None else tol
-        if not rel_err(got, want) <= bound and blamed is None:
-            blamed = _components_off(model, tokens, chk.tolerance)
-            for file, symbol, err in blamed:
-                ctx.fail(f"the engine's logits are off, and the model's {symbol} departs from its definition "
-                         f"on its own input (rel. error {err:.2e})", file=file, symbol=symbol, condition=name)
-        if blamed:  # a component is off (named above): the engine must still equal the model's own forward
-            chk.track(rel_err(got, want), metric)
-            if any(symbol in ref.CARRIED for _, symbol, _ in blamed):
-                # a KDA layer's final state or decode step: every engine step past a prefill's first chunk
-                # carries them, so it cannot be held to the model's own forward, which carries nothing
-                continue
-            chk.compare(got, own, f"{phase} logits", tolerance=bound, against="the model's own forward",
-                        metric=metric, **where)
-        else:
+        if not blamed:
             chk.compare(got, want, f"{phase} logits", tolerance=bound, metric=metric, **where)
+            continue
+        # a component is off (named above): the engine must still equal the model's own forward
+        chk.track(rel_err(got, want), metric)
+        if carried:
+            # a KDA layer's final state or decode step: every engine step past a prefill's first chunk
+            # carries them, so it cannot be held to the model's own forward, which carries nothing
+            continue
+        chk.compare(got, own, f"{phase} logits", tolerance=bound, against="the model's own forward",
+                    metric=metric, **where)
     if stored_margin != MARGIN:
         ctx.metric(f"near_tie_steps{metric.removeprefix('max_rel_err') if metric else ''}", near_ties)
 

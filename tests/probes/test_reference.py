@@ -23,3 +23,31 @@ def test_per_position_margins_are_causal_and_agree_with_the_sequence_margin():
         head, head_margins = ref.hybrid_logits_by_position(model, tokens[:end])
         torch.testing.assert_close(head_margins, margins[:end], rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(head, logits[:end], rtol=1e-9, atol=1e-12)
+
+
+def test_a_device_fault_is_one_located_failure_and_the_probes_later_device_work_is_skipped(tmp_path):
+    # a probe that runs on "cuda" where no CUDA device answers: its synchronisation fails as a faulted device's
+    # does (the error is sticky), so isolated takes the fault path with a real torch error
+    from feedback.probe import ProbeContext
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("needs a device that cannot synchronise")
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    ctx._device = "cuda"
+    chk = ref.Checker(ctx, 1e-4)
+    ran = []
+
+    def kernel_that_faults():
+        ran.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    done, _ = ref.isolated(ctx, kernel_that_faults, chk, file="engine.py", symbol="LLMEngine.generate",
+                           condition="config 4")
+    assert not done and ref.device_lost(ctx) and ctx.failed and chk.worst == math.inf
+    [finding] = ctx.findings
+    assert finding.message.startswith(ref.DEVICE_FAULT) and finding.location.condition == "config 4"
+    assert "compute-sanitizer" in finding.message
+    done, _ = ref.isolated(ctx, lambda: ran.append(2), chk, file="engine.py")
+    assert not done and ran == [1] and len(ctx.findings) == 1  # skipped, nothing new claimed
