@@ -15,7 +15,7 @@ prefill of a random prompt and one uncounted step, in the forms a GPU runs (Trit
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
 the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
 decode inputs, norms and MoE router, and the two-launch decode attention)
-and without them, and with the opt-in two-launch small-batch MoE experts besides, side by side.
+and without them, and with the two-launch small-batch MoE experts besides (on a GPU part of the fused kernels), side by side.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     for module in model.modules():  # the fused kernels (ModelConfig.fused_kernels), or not
         if isinstance(module, RMSNorm | KDALayer | MoE | SparseAttentionLayer):
             module.fused = fused
-        if isinstance(module, MoE):  # the two-launch small-batch experts (opt-in)
+        if isinstance(module, MoE):  # the two-launch small-batch experts (a GPU takes them with the fused kernels)
             module.small_batch = small_batch
     engine = LLMEngine(model)
     gen = torch.Generator().manual_seed(1)
@@ -176,7 +176,7 @@ def main() -> int:
 
     # each count in a process of its own: the bench preset's model takes most of a 24 GiB machine
     counts = []
-    # without the fused kernels, and with the opt-in small-batch MoE experts besides, side by side
+    # without the fused kernels, and with the small-batch MoE experts besides (a GPU's default), side by side
     for fused, small in ((True, False), (False, False), (True, True)):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             counts.append(pool.submit(count_step, args.preset, args.dtype, args.batch, fused=fused,
@@ -190,7 +190,7 @@ def main() -> int:
                   f"and {r['triton_launches']} Triton kernels")
     console.print(f"without the fused kernels: {plain['total']} aten ops ({plain['conversions']} conversions) "
                   f"and {plain['triton_launches']} Triton kernels")
-    console.print(f"with the small-batch MoE experts too (opt-in): {small['total']} aten ops "
+    console.print(f"with the small-batch MoE experts too (a GPU's default): {small['total']} aten ops "
                   f"({small['conversions']} conversions) and {small['triton_launches']} Triton kernels")
     kinds = Table("target_stack function", "matmul", "conversion", "other", "triton", title="where they come from")
     for site, c in list(r["by_site"].items())[:15]:

@@ -8,10 +8,11 @@ torch-eager implementation of the same model, side by side in one run (issue 6).
      graphs, no Triton (what a straightforward torch implementation does), and
    - the engine without the fused kernels: Triton KDA kernels, graph-safe MoE, decode steps
      replayed from CUDA graphs;
-   - the engine as configured by default, with ``fused_kernels`` (one-launch norms and KDA decode
-     inputs), its graphs captured with them;
-   - and with the opt-in small-batch MoE experts besides (``MoE.small_batch``: the chosen experts and
-     the shared one in two launches per layer, ops/moe/small_batch.py), its own graphs;
+   - the engine with ``fused_kernels`` (one-launch norms, router and KDA decode inputs), its graphs
+     captured with them, with the MoE's grouped experts;
+   - and as configured by default, with the small-batch MoE experts besides (``MoE.small_batch``, set
+     with the fused kernels: the chosen experts and the shared one in two launches per layer,
+     ops/moe/small_batch.py), its own graphs;
    all through ``LLMEngine.step`` (sampling and scheduling included), median of 20 steps after
    warm-up, same prompts.  The tiny check runs with the fused kernels off and on, and with the
    small-batch experts.
@@ -61,7 +62,7 @@ def check_tiny() -> dict:
 
 
 def set_small_batch(model: HybridModel, on: bool) -> None:
-    """The opt-in two-launch experts of a decode-sized batch in every MoE layer (``MoE.small_batch``)."""
+    """The two-launch experts of a decode-sized batch in every MoE layer (``MoE.small_batch``), or not."""
     for module in model.modules():
         if isinstance(module, MoE):
             module.small_batch = on
@@ -117,11 +118,11 @@ def compare(batches=(1, 16, 64), prompt_len=256) -> dict:
         e = decode_rate(eager, b, prompt_len)
         set_kda_backend(model, "triton")
         g = decode_rate(engine, b, prompt_len)
-        model.set_fused_kernels(True)
+        model.set_fused_kernels(True)  # the default: with the small-batch experts on a GPU
+        set_small_batch(model, False)  # the fused kernels with the grouped experts
         f = decode_rate(fused, b, prompt_len)
         set_small_batch(model, True)  # batches past its 16 tokens take the grouped GEMMs as before
         s = decode_rate(small, b, prompt_len)
-        set_small_batch(model, False)
         rows[b] = {"eager_step_ms": e * 1e3, "engine_step_ms": g * 1e3, "fused_step_ms": f * 1e3,
                    "small_batch_step_ms": s * 1e3, "eager_tok_s": b / e, "engine_tok_s": b / g, "fused_tok_s": b / f,
                    "speedup": e / g, "fused_speedup": e / f, "small_batch_vs_fused": s / f}

@@ -82,7 +82,7 @@ class MoE(torch.nn.Module):
         self.grouped = True  # False: the per-expert loop even where grouped GEMMs work (a plain-eager baseline)
         self.fused: bool | None = False  # the one-launch router (ops/moe/route.py): always, never, None: on a GPU
         # the two-launch experts of a decode-sized batch (ops/moe/small_batch.py), in forward_static: always,
-        # never, None: on a GPU.  Opt-in until a GPU has timed it against the grouped GEMMs.
+        # never, None: on a GPU (set with the fused kernels: a graph-captured decode step 0.85x on the H200)
         self.small_batch: bool | None = False
         self._small_cache: tuple | None = None
         self._stacked: tuple | None = None

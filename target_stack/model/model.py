@@ -196,12 +196,15 @@ class HybridModel(torch.nn.Module):
         self.set_fused_kernels(cfg.fused_kernels)
 
     def set_fused_kernels(self, on: bool) -> None:
-        """The Triton norms, MoE router, KDA decode inputs and decode attention (``ModelConfig.fused_kernels``).
+        """The Triton norms, MoE router and small-batch experts, KDA decode inputs and decode attention
+        (``ModelConfig.fused_kernels``).
 
         A CUDA graph captured before the switch keeps the kernels it was captured with."""
         for module in self.modules():
             if isinstance(module, RMSNorm | MoE | SparseAttentionLayer):
                 module.fused = None if on else False  # on: on a GPU
+            if isinstance(module, MoE):
+                module.small_batch = None if on else False  # a decode step's experts in two launches, on a GPU
             elif isinstance(module, KDALayer):
                 module.fused = bool(on)  # on its Triton path
 

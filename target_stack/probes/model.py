@@ -127,16 +127,17 @@ def _moe_paths(moe, bf16: bool) -> dict:
         finally:
             moe.grouped = True
 
-    def small_batch(x):
-        moe.small_batch = True
-        try:
-            return moe.forward_static(x)
-        finally:
-            moe.small_batch = False
+    def static(small_batch: bool):
+        def run(x):  # the graph-safe form with the two-launch experts (ops/moe/small_batch.py) or without them
+            before, moe.small_batch = moe.small_batch, small_batch
+            try:
+                return moe.forward_static(x)
+            finally:
+                moe.small_batch = before
+        return run
 
-    paths = {"MoE.forward": moe, "MoE.forward (grouped=False)": ungrouped, "MoE.forward_static": moe.forward_static}
-    if moe.small_batch is False:  # the two-launch experts (ops/moe/small_batch.py) of a decode-sized batch
-        paths["MoE.forward_static (small_batch_experts)"] = small_batch
+    paths = {"MoE.forward": moe, "MoE.forward (grouped=False)": ungrouped, "MoE.forward_static": static(False),
+             "MoE.forward_static (small_batch_experts)": static(True)}
     return {f"{name} bf16" if bf16 else name: fn for name, fn in paths.items()}
 
 
