@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import glob
 import hashlib
 import io
 import os
@@ -45,6 +44,7 @@ import threading
 
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import ProbeResult, Status
+from feedback.runner import driver_gpu_model
 from feedback.state import SKIP_PARTS
 from feedback.verdict import repeats_for
 
@@ -106,11 +106,9 @@ def device_model() -> str:
     """This node's GPU model (its first GPU), "cpu" where it has none.  From the NVIDIA driver's own
     record where it is there: a worker that imported torch for this alone would pay seconds of import
     and a CUDA initialisation on its first task, while the probe process imports torch anyway."""
-    for info in sorted(glob.glob("/proc/driver/nvidia/gpus/*/information")):
-        with contextlib.suppress(OSError):
-            for line in pathlib.Path(info).read_text().splitlines():
-                if line.startswith("Model:") and line.split(":", 1)[1].strip():
-                    return line.split(":", 1)[1].strip()
+    model = driver_gpu_model()
+    if model:
+        return model
     try:
         import torch
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import glob
 import hashlib
 import importlib.metadata as md
@@ -73,11 +74,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def driver_gpu_model(root: str = "/proc/driver/nvidia/gpus") -> str | None:
+    """The model of this machine's first NVIDIA GPU from the driver's own record (``Model:`` in
+    ``<root>/<bus id>/information``), without importing torch; None where the driver keeps none."""
+    for info in sorted(glob.glob(os.path.join(glob.escape(root), "*", "information"))):
+        with contextlib.suppress(OSError):
+            for line in pathlib.Path(info).read_text().splitlines():
+                if line.startswith("Model:") and line.split(":", 1)[1].strip():
+                    return line.split(":", 1)[1].strip()
+    return None
+
+
 def environment_key(emulate: bool) -> str:
-    """A cheap fingerprint of where probes will run, computed without importing torch."""
+    """A cheap fingerprint of where probes will run, computed without importing torch: a result cached
+    on one GPU model is not served on another (a state folder on a shared file system)."""
     fp = Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}",
                      torch=_version("torch"), triton=_version("triton"),
-                     device="gpu" if gpu_present() else "cpu",
+                     device=(driver_gpu_model() or "gpu") if gpu_present() else "cpu",
                      mode="native" if gpu_present() else "interpreter",
                      emulation="truncate" if emulate and not gpu_present() else None)
     return fp.key()

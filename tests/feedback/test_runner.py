@@ -209,3 +209,22 @@ def _run_all(root, manifest):
     from feedback.runner import Runner
 
     return Runner(root, manifest, use_cache=False, cache_dir=str(root.parent / "cache")).run(manifest.probes)
+
+
+def test_a_result_cached_on_one_gpu_model_is_not_served_on_another(toy, tmp_path, monkeypatch):
+    """A state folder on a shared file system: the GPU model (the driver's record, no torch) is in the key."""
+    import feedback.runner as runner_mod
+
+    driver = tmp_path / "driver"
+    for bus, model in (("0000:19:00.0", "NVIDIA H200"), ("0000:3b:00.0", "NVIDIA H200")):
+        (driver / bus).mkdir(parents=True)
+        (driver / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 123\nGPU UUID: \t GPU-1\n")
+    assert runner_mod.driver_gpu_model(str(driver)) == "NVIDIA H200"
+    assert runner_mod.driver_gpu_model(str(tmp_path / "none")) is None
+    manifest = load_manifest(toy)
+    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    keys = {}
+    for model in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None):
+        monkeypatch.setattr(runner_mod, "driver_gpu_model", lambda model=model: model)
+        keys[model] = runner_mod.Runner(toy, manifest, cache_dir=str(toy / ".cache")).cache_key(manifest.probes[0])
+    assert len(set(keys.values())) == 3
