@@ -11,7 +11,7 @@ from feedback.manifest import MANIFEST_NAME, Manifest, ProbeSpec, load_manifest
 from feedback.models import FeedbackReport, ProbeResult, Status
 from feedback.report import content_hashes, localise
 from feedback.runner import Runner
-from feedback.select import order, rechecked, select, stages
+from feedback.select import FAILING, order, rechecked, select, stages
 from feedback.state import StateDir
 from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, repeats_for, verdict
 
@@ -68,6 +68,16 @@ def judge(
     t0 = time.perf_counter()
     tree = pathlib.Path(tree).resolve()
     manifest = manifest or load_manifest(tree)
+    cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(tree).cache
+    runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env,
+                    executor=executor)
+    base_runner = None
+    if baseline_tree is not None:
+        base_manifest = baseline_manifest or _baseline_manifest(pathlib.Path(baseline_tree), manifest)
+        base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
+                             extra_env=extra_env, executor=executor)
+    if changed is not None and failing is None and base_runner is not None and not probe_ids:
+        failing = cached_failures(base_runner, manifest, changed)
     if probe_ids:
         specs, selection = order(resolve_probes(manifest, probe_ids)), "probes " + ", ".join(probe_ids)
     elif changed is not None:
@@ -78,14 +88,6 @@ def judge(
                           f"baseline and import a changed file")
     else:
         specs, selection = order(list(manifest.probes)), "all probes"
-    cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(tree).cache
-    runner = Runner(tree, manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir), extra_env=extra_env,
-                    executor=executor)
-    base_runner = None
-    if baseline_tree is not None:
-        base_manifest = baseline_manifest or _baseline_manifest(pathlib.Path(baseline_tree), manifest)
-        base_runner = Runner(baseline_tree, base_manifest, jobs=jobs, use_cache=use_cache, cache_dir=str(cache_dir),
-                             extra_env=extra_env, executor=executor)
     judges_before = content_hashes(tree, manifest, specs)
     if on_start:
         on_start(specs)
@@ -194,6 +196,23 @@ def _baseline_manifest(tree: pathlib.Path, fallback: Manifest) -> Manifest:
         return load_manifest(tree)
     except Exception:  # noqa: BLE001 - an old revision without (or with a broken) manifest: judge it by today's
         return fallback
+
+
+def cached_failures(base_runner: Runner, manifest: Manifest, changed: list[str]) -> list[ProbeResult]:
+    """The baseline's failing results that its cache already holds, of the probes whose covers miss every
+    changed file (the others are selected anyway): what :func:`feedback.select.rechecked` asks again when
+    no caller judged the whole baseline first (``feedback --changed-from``).  Nothing runs here; a probe
+    the cache does not hold for the baseline is not known to fail, and stays unselected."""
+    if not base_runner.use_cache:
+        return []
+    out = []
+    for spec in manifest.probes:
+        if any(spec.covers.matches(f) for f in changed) or not _has(base_runner.manifest, spec.id):
+            continue
+        hit = base_runner.cached(base_runner.manifest.probe(spec.id))
+        if hit is not None and hit.status in FAILING:
+            out.append(hit)
+    return out
 
 
 def export_baseline(repo_tree: str | pathlib.Path, rev: str, store: str | pathlib.Path | None = None

@@ -183,9 +183,15 @@ class Runner:
         h.update(spec.model_dump_json().encode())
         h.update(self.env_key.encode())
         h.update(str(self.extra_env).encode())
-        for f in self.covered_files(spec):
-            h.update(str(f.relative_to(self.tree) if f.is_relative_to(self.tree) else f).encode())
-            h.update(hashlib.sha256(f.read_bytes()).digest())
+        root = str(self.tree) + os.sep
+        for f in map(str, self.covered_files(spec)):
+            if f.startswith(root):  # a tree file is read once per runner, whichever probes cover it
+                rel = f[len(root):]
+                h.update(rel.encode())
+                h.update(bytes.fromhex(self._digest(rel) or ""))
+            else:
+                h.update(f.encode())
+                h.update(hashlib.sha256(pathlib.Path(f).read_bytes()).digest())
         return h.hexdigest()
 
     def _cache_get(self, key: str) -> ProbeResult | None:
