@@ -181,6 +181,27 @@ class RayExecutor:
         if self.connected and self.ray.is_initialized():
             self.ray.shutdown()
 
+    def environment_key(self, emulate: bool) -> str:
+        """Where this executor's probes run, for the driver's cache: the cluster's machines, not the
+        driver's.  A result from the cluster's GPUs is not served to a run on the driver's CPU, nor to a
+        cluster whose GPU models changed.  GPU models come from Ray's ``accelerator_type:`` resources
+        (``gpu`` where Ray names none); package versions are the driver's (a cluster runs one environment)."""
+        from feedback.runner import environment_key
+
+        kinds = set()
+        for node in self.ray.nodes():
+            if not node.get("Alive"):
+                continue
+            res = node.get("Resources", {})
+            if res.get("GPU", 0) >= 1:
+                kinds.update([k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")] or ["gpu"])
+            else:
+                kinds.add("cpu")
+        local = environment_key(emulate).split("|")
+        # python | torch | triton stay; device, mode and emulation are the cluster's
+        return "|".join([*local[:3], "ray:" + "+".join(sorted(kinds)), "emulate" if emulate and "cpu" in kinds
+                         else ""])
+
     def _timing_bundle(self, limit: float):
         """The timing bundle: one GPU and one CPU of the driver's node (of the first node with a GPU where
         the driver's has none), made on first use; None where no GPU came free within ``limit`` seconds."""

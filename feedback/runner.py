@@ -147,7 +147,9 @@ class Runner:
         self.emulate = emulate
         self.extra_env = dict(extra_env or {})
         self.cache_dir = pathlib.Path(cache_dir) if cache_dir else StateDir.of(self.tree).cache
-        self.env_key = environment_key(emulate)
+        # where the probes run decides which cached results hold: here, or an executor's machines
+        self.env_key = (executor.environment_key(emulate) if hasattr(executor, "environment_key")
+                        else environment_key(emulate))
         self._live: set[subprocess.Popen] = set()
         # where probes run: None here, as subprocesses; or an executor with run(runner, spec) -> (result,
         # reported), such as feedback.ray_executor.RayExecutor (the cache stays here either way)

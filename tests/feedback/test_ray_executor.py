@@ -50,6 +50,21 @@ def test_the_driver_keeps_the_cache_and_a_changed_tree_travels_again(toy, cluste
     assert not changed.cached and changed.metrics["marker"].value == 2.0
 
 
+def test_the_clusters_results_and_the_drivers_own_are_cached_apart(toy, cluster, tmp_path):
+    """One state folder, two places to run: a result from the cluster's machines is not served to a run on the
+    driver (another device, perhaps), nor the other way round; each is served to its own kind of run."""
+    manifest = load_manifest(toy)
+    specs, cache = [manifest.probe("toy.ok")], str(tmp_path / "cache")
+    remote, = Runner(toy, manifest, cache_dir=cache, executor=cluster).run(specs)
+    local, = Runner(toy, manifest, cache_dir=cache).run(specs)
+    assert not remote.cached and remote.ran_on.startswith("ray node ")
+    assert not local.cached and local.ran_on is None
+    again, = Runner(toy, manifest, cache_dir=cache, executor=cluster).run(specs)
+    assert again.cached and again.ran_on == remote.ran_on
+    assert Runner(toy, manifest, cache_dir=cache).run(specs)[0].cached
+    assert "|ray:cpu|" in cluster.environment_key(True)  # a CPU-only instance
+
+
 def test_a_verdict_on_the_cluster_is_the_local_verdict(toy, cluster, tmp_path):
     base = tmp_path / "base"
     import shutil
