@@ -151,7 +151,7 @@ class MoE(torch.nn.Module):
         w, idx = self.route(x2)
         if (x.is_cuda if self.small_batch is None else self.small_batch) and x2.shape[0] <= SMALL_BATCH_TOKENS:
             # the chosen experts and the shared one in two launches instead of about seventeen
-            return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype)).to(x.dtype).reshape(shape)
+            return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype), out_dtype=x.dtype).reshape(shape)
         out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else masked_dense(x2, w, idx, *self.stacked_weights())
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)

@@ -73,3 +73,25 @@ def test_shapes_that_do_not_fit_are_refused():
         stack_with_shared([torch.zeros(3, 8)], [torch.zeros(3, 8)] * 2, [torch.zeros(8, 3)], torch.float32)
     with pytest.raises(ValueError, match="x must be"):
         small_batch_experts(x[0], w, idx, torch.zeros(3, 6, 8, device=DEVICE), torch.zeros(3, 8, 3, device=DEVICE))
+
+
+def test_every_tiling_gives_the_same_sums_and_a_narrower_output_is_rounded_once(gen):
+    T, D, H, E, top_k = 3, 96, 80, 6, 2
+    mods = _experts(E, D, H, gen)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)]).to(DEVICE)
+    w = torch.rand(T, top_k, generator=gen).to(DEVICE) + 0.1
+    w_gu, w_down = stack_with_shared(*([getattr(m, n).detach() for m in mods] for n in ("w_gate", "w_up", "w_down")),
+                                     torch.float32)
+    want = _definition(x, w, idx, mods[:E], mods[E])
+    for tiles in (None, (16, 32, 16, 32), (128, 16, 128, 16), (1, 128, 256, 1)):
+        got = small_batch_experts(x, w, idx, w_gu, w_down, tiles=tiles)
+        assert rel_err(got, want) < 1e-5, tiles
+    # fp32 accumulation, one rounding at the store: what the layer used to get from a separate conversion
+    narrow = small_batch_experts(x, w, idx, w_gu, w_down, out_dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16
+    ulp = (got.abs() * 2.0**-7).clamp_min(1e-30)
+    assert ((narrow.float() - got).abs() <= ulp).all()  # within one bf16 step of the fp32 sum
+    assert rel_err(narrow, want) < 2.0**-8
+    with pytest.raises(ValueError, match="powers of two"):
+        small_batch_experts(x, w, idx, w_gu, w_down, tiles=(48, 32, 16, 32))

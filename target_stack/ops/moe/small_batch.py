@@ -71,7 +71,7 @@ def _down_kernel(act, idx, w_down, out, D, H, E, TOPK: tl.constexpr, BD: tl.cons
             wd = tl.load(w_down + (e * D + o_d[:, None]) * H + o_h[None, :], mask=m_d[:, None] & m_h[None, :],
                          other=0.0)
             acc += tl.sum(wd.to(tl.float32) * a[None, :], axis=1)
-    tl.store(out + t * D + o_d, acc, mask=m_d)
+    tl.store(out + t * D + o_d, acc.to(out.dtype.element_ty), mask=m_d)  # rounded once, to the output's dtype
 
 
 _gate_up = CachedLaunch(_gate_up_kernel)
@@ -88,9 +88,13 @@ def stack_with_shared(gates: list[torch.Tensor], ups: list[torch.Tensor], downs:
 
 
 def small_batch_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, w_gu: torch.Tensor,
-                        w_down: torch.Tensor) -> torch.Tensor:
-    """sum_j w[t, j] expert_{idx[t, j]}(x[t]) + shared(x[t]) for x [T, D] (fp32 out, [T, D]), routing
-    w, idx [T, k], and the weights of :func:`stack_with_shared` (the shared expert last)."""
+                        w_down: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                        tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """sum_j w[t, j] expert_{idx[t, j]}(x[t]) + shared(x[t]) for x [T, D] ([T, D] in ``out_dtype``:
+    accumulated in fp32 and rounded once, so a layer that wants its activations' dtype pays no
+    conversion launch), routing w, idx [T, k], and the weights of :func:`stack_with_shared` (the
+    shared expert last).  ``tiles``: (BH, BD) of the gate/up kernel and (BD, BH) of the down kernel,
+    powers of two (a launch-parameter sweep; None: :func:`default_tiles`)."""
     if x.dim() != 2 or w.shape != idx.shape or w.dim() != 2 or w.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, D] and w, idx [T, k]: got {tuple(x.shape)}, {tuple(w.shape)}, "
                          f"{tuple(idx.shape)}")
@@ -100,15 +104,23 @@ def small_batch_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, w_g
     if D_ != D or H2 % 2 or w_down.shape != (E1, D, H):
         raise ValueError(f"weights must be [E+1, 2H, {D}] and [E+1, {D}, H]: got {tuple(w_gu.shape)} and "
                          f"{tuple(w_down.shape)}")
+    BH, BD, BDo, BHo = tiles or default_tiles(D, H)
+    if any(b < 1 or b & (b - 1) for b in (BH, BD, BDo, BHo)):
+        raise ValueError(f"tiles must be powers of two, got {(BH, BD, BDo, BHo)}")
     x, w, idx = x.contiguous(), w.contiguous(), idx.contiguous()
     act = alloc(T * (top_k + 1), H, dtype=torch.float32, device=x.device)
-    out = alloc(T, D, dtype=torch.float32, device=x.device)
+    out = alloc(T, D, dtype=out_dtype, device=x.device)
     if T:
-        BH, BD = min(triton.next_power_of_2(H), 64), min(triton.next_power_of_2(D), 128)
-        key = (T, D, H, E, top_k, x.dtype, w_gu.dtype, idx.dtype, x.device)
+        key = (T, D, H, E, top_k, x.dtype, w_gu.dtype, idx.dtype, out_dtype, BH, BD, BDo, BHo, x.device)
         _gate_up((T * (top_k + 1), triton.cdiv(H, BH), 1), key, (x, w, idx, w_gu, act, D, H, E),
                  dict(TOPK=top_k, BH=BH, BD=BD, num_warps=4))
-        BDo, BHo = min(triton.next_power_of_2(D), 64), min(triton.next_power_of_2(H), 128)
         _down((T, triton.cdiv(D, BDo), 1), key, (act, idx, w_down, out, D, H, E),
               dict(TOPK=top_k, BD=BDo, BH=BHo, num_warps=4))
     return out
+
+
+def default_tiles(D: int, H: int) -> tuple[int, int, int, int]:
+    """(BH, BD) of the gate/up kernel and (BD, BH) of the down kernel: 64 hidden units by up to 128 model
+    dimensions per step, then 64 model dimensions by up to 128 hidden units (H200 timings in RESULTS)."""
+    return (min(triton.next_power_of_2(H), 64), min(triton.next_power_of_2(D), 128),
+            min(triton.next_power_of_2(D), 64), min(triton.next_power_of_2(H), 128))
