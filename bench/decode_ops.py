@@ -15,7 +15,8 @@ prefill of a random prompt and one uncounted step, in the forms a GPU runs (Trit
 norms; under the interpreter without a GPU, whose own numpy work is not counted; on a GPU where there is one, where
 the MoE takes its GPU form), with the fused kernels (``ModelConfig.fused_kernels``: the one-launch
 decode inputs, norms and MoE router, and the two-launch decode attention)
-and without them, and with the two-launch small-batch MoE experts besides (on a GPU part of the fused kernels), side by side.
+and without them, and with the two-launch small-batch MoE experts besides (on a GPU part of the fused
+kernels), side by side.
 """
 
 from __future__ import annotations
