@@ -182,6 +182,7 @@ def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1, d
     exposed = [t.transfer_done - t.prefill_done for r, _ in runs["transfer"] for t in r.timings]
     out["exposed_transfer_ms_p50"] = 1e3 * _pct(exposed, 0.5)
     out["exposed_transfer_ms_p99"] = 1e3 * _pct(exposed, 0.99)
+    out["exposed_transfer_samples"] = len(exposed)
     timings = [t for r, _ in runs["full"] for t in r.timings]
     outs = [o for r, _ in runs["full"] for o in r.outputs]
     ttft = [t.first_token - t.arrival for t in timings]
@@ -189,6 +190,7 @@ def run_disagg(preset: str, workload: Workload, stages: int, repeats: int = 1, d
             if len(o.tokens) > 1]
     makespan = statistics.median(m for _, m in runs["full"])
     out.update(_latency_stats(ttft, tpot, sum(len(o.tokens) for o in runs["full"][0][0].outputs), makespan))
+    out["ttft_samples"] = len(ttft)
     out["requests"] = len(requests)
     unreported = {"unreported": 1}  # a worker that died before its accounting counts as a leak
     out["pools"] = {**pools["full"], "transfer_prefill": pools["transfer"].get("prefill", unreported),
