@@ -92,15 +92,9 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
     while any(not s.output for s in engine.seqs.values()):  # prefill every sequence
         engine.step()
     runner = engine.runner
-    seqs = list(engine.seqs.values())
-    dev = model.embed.device
-    tokens = torch.tensor([s.output[-1] for s in seqs], device=dev)
-    lengths = torch.tensor([s.length for s in seqs], device=dev)
-    slots = torch.tensor([s.slot for s in seqs], device=dev)
-    table = runner.block_table(seqs, max(-(-s.length // runner.page_size) for s in seqs))
-
+    args = static_step_inputs(engine)
     with torch.no_grad():  # a first step builds what later steps reuse (stacked expert weights, compiled kernels)
-        runner.decode_step(tokens, lengths, slots, table, static=True)
+        runner.decode_step(*args, static=True)
     counter = Count()
     launches = collections.Counter()
     restore = []
@@ -129,7 +123,7 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
         restore.append((owner, attr, original))
     try:
         with torch.no_grad(), counter:
-            runner.decode_step(tokens, lengths, slots, table, static=True)
+            runner.decode_step(*args, static=True)
     finally:
         for owner, attr, original in restore:
             setattr(owner, attr, original)
@@ -147,6 +141,19 @@ def count_step(preset: str, dtype: str, batch: int, prompt: int = 24, fused: boo
             "total": sum(by_name.values()), "conversions": sum(by_name[n] for n in CONVERSIONS),
             "matmuls": sum(by_name[n] for n in MATMULS), "triton_launches": sum(launches.values()),
             "by_name": dict(by_name.most_common()), "by_site": {s: dict(c) for s, c in sites}}
+
+
+def static_step_inputs(engine) -> tuple:
+    """(tokens, lengths, slots, block table) of the next decode step of every sequence ``engine`` holds, for
+    ``engine.runner.decode_step(*inputs, static=True)``: the form a CUDA graph captures."""
+    import torch
+
+    runner = engine.runner
+    seqs = list(engine.seqs.values())
+    dev = runner.model.embed.device
+    return (torch.tensor([s.output[-1] for s in seqs], device=dev), torch.tensor([s.length for s in seqs], device=dev),
+            torch.tensor([s.slot for s in seqs], device=dev),
+            runner.block_table(seqs, max(-(-s.length // runner.page_size) for s in seqs)))
 
 
 def _site(root: str) -> str:

@@ -1,14 +1,15 @@
 """The small-batch MoE experts' launch tiles on a GPU, side by side in one run (issue 18, the engine's step).
 
 At batch 1 the two kernels of ops/moe/small_batch.py launch few programs on the bench preset's shapes
-(D=2048, H=1024, top 4 of 32 experts and the shared one): the down kernel one per 64 model dimensions
-of a token, 32 programs for a GPU of 132 SMs.  Each tiling of ``small_batch_experts(tiles=...)`` is timed
-here on that layer's shapes at T = 1, 4 and 16 tokens: graph-replayed, rotated over weight sets larger
-than the L2 cache, the bytes its experts' weights take over the device's copy bandwidth measured in the
-same run, its error against float64 on fresh inputs (outputs poisoned first), and the rounds' spread as
-the noise floor.  Prints a table; writes JSON to $OUT/small_batch_tiles.json (or bench/out/).
+(D=2048, H=1024, top 4 of 32 experts and the shared one): the down kernel one per 64 model dimensions of a
+token, 32 programs for a GPU of 132 SMs (the first default; ``default_tiles`` now sizes the tiles from the
+token count and the multiprocessors, from this sweep). Each tiling of ``small_batch_experts(tiles=...)`` is
+timed here on that layer's shapes at T = 1, 2, 4, 8 and 16 tokens: graph-replayed, rotated over weight sets
+larger than the L2 cache, the bytes its experts' weights take over the device's copy bandwidth measured in
+the same run, its error against float64 on fresh inputs (outputs poisoned first), and the rounds' spread as
+the noise floor. Prints a table; writes JSON to $OUT/small_batch_tiles.json (or bench/out/).
 
-    python bench/small_batch_tiles.py [--tokens 1 4 16] [--rounds 5]
+    python bench/small_batch_tiles.py [--tokens 1 2 4 8 16] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,14 +25,20 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 D, H, E, TOP_K = 2048, 1024, 32, 4  # the bench preset's MoE layer (target_stack/model/model.py)
-#: (BH, BD) of the gate/up kernel, (BD, BH) of the down kernel; None: today's default_tiles
-TILINGS = [None, (64, 128, 32, 128), (64, 128, 16, 128), (32, 128, 16, 128), (16, 256, 16, 256),
-           (32, 128, 32, 256), (16, 128, 8, 256)]
+#: (BH, BD, warps) of the gate/up kernel and (BD, BH, warps) of the down kernel: each varied with the other
+#: held at the first entry of its list; None: today's default_tiles, and 2026-12-04's first default
+GATE_UP = [(16, 256, 4), (16, 512, 4), (8, 1024, 4), (8, 2048, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8),
+           (64, 128, 4)]
+DOWN = [(8, 256, 4), (8, 512, 4), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
+        (64, 128, 4)]
+TILINGS = [None, (64, 128, 64, 128, 4, 4), (8, 1024, 4, 1024, 4, 4), (8, 1024, 16, 256, 4, 4),
+           *[(g[0], g[1], DOWN[0][0], DOWN[0][1], g[2], DOWN[0][2]) for g in GATE_UP],
+           *[(GATE_UP[0][0], GATE_UP[0][1], d[0], d[1], GATE_UP[0][2], d[2]) for d in DOWN[1:]]]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     import torch
@@ -41,7 +48,7 @@ def main() -> int:
         return 2
     from feedback.correctness import fresh_generator, rel_err
     from target_stack.bench.timing import copy_bandwidth, graph_time, rotations
-    from target_stack.ops.moe.small_batch import default_tiles, small_batch_experts
+    from target_stack.ops.moe.small_batch import default_tiles, multiprocessors, small_batch_experts
     from target_stack.ops.utils import poisoning
 
     gen = fresh_generator(device="cuda")
@@ -64,7 +71,7 @@ def main() -> int:
         times: dict[str, list[float]] = {}
         errs = {}
         for tiles in TILINGS:
-            name = "default " + str(default_tiles(D, H)) if tiles is None else str(tiles)
+            name = "default " + str(default_tiles(T, D, H, multiprocessors(x.device))) if tiles is None else str(tiles)
             with poisoning(True):
                 errs[name] = rel_err(small_batch_experts(x, w, idx, sets[0], downs[0], out_dtype=torch.float32,
                                                          tiles=tiles), want)
@@ -83,7 +90,7 @@ def main() -> int:
                              noise=(max(ts) - min(ts)) / t, vs_default=t / base, bandwidth_vs_copy=read / t / copy_bw,
                              rel_err=errs[name]))
             r = rows[-1]
-            print(f"T={T:3d} {name:28s} {r['us']:8.1f} us  x{r['vs_default']:.2f} of default  "
+            print(f"T={T:3d} {name:34s} {r['us']:8.1f} us  x{r['vs_default']:.2f} of default  "
                   f"{r['bandwidth_vs_copy']:.2f} of copy  noise {r['noise']:.1%}  err {r['rel_err']:.1e}", flush=True)
     out = pathlib.Path(os.environ.get("OUT", pathlib.Path(__file__).parent / "out"))
     out.mkdir(parents=True, exist_ok=True)

@@ -186,7 +186,7 @@ class RayExecutor:
         driver's.  A result from the cluster's GPUs is not served to a run on the driver's CPU, nor to a
         cluster whose GPU models changed.  GPU models come from Ray's ``accelerator_type:`` resources
         (``gpu`` where Ray names none); package versions are the driver's (a cluster runs one environment)."""
-        from feedback.runner import environment_key
+        from feedback.runner import local_fingerprint
 
         kinds = set()
         for node in self.ray.nodes():
@@ -197,10 +197,13 @@ class RayExecutor:
                 kinds.update([k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")] or ["gpu"])
             else:
                 kinds.add("cpu")
-        local = environment_key(emulate).split("|")
-        # python | torch | triton stay; device, mode and emulation are the cluster's
-        return "|".join([*local[:3], "ray:" + "+".join(sorted(kinds)), "emulate" if emulate and "cpu" in kinds
-                         else ""])
+        gpus = kinds - {"cpu"}
+        # the driver's python, torch and triton (a cluster runs one environment); the cluster's machines
+        cluster = local_fingerprint(emulate).model_copy(update=dict(
+            device="ray:" + "+".join(sorted(kinds)),
+            mode="native" if gpus and "cpu" not in kinds else "interpreter" if not gpus else "mixed",
+            emulation="truncate" if emulate and "cpu" in kinds else None))
+        return cluster.key()
 
     def _timing_bundle(self, limit: float):
         """The timing bundle: one GPU and one CPU of the driver's node (of the first node with a GPU where

@@ -88,12 +88,16 @@ def driver_gpu_model(root: str = "/proc/driver/nvidia/gpus") -> str | None:
 def environment_key(emulate: bool) -> str:
     """A cheap fingerprint of where probes will run, computed without importing torch: a result cached
     on one GPU model is not served on another (a state folder on a shared file system)."""
-    fp = Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}",
+    return local_fingerprint(emulate).key()
+
+
+def local_fingerprint(emulate: bool) -> Fingerprint:
+    """This machine's :class:`Fingerprint` as a probe here would record it, read without importing torch."""
+    return Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}",
                      torch=_version("torch"), triton=_version("triton"),
                      device=(driver_gpu_model() or "gpu") if gpu_present() else "cpu",
                      mode="native" if gpu_present() else "interpreter",
                      emulation="truncate" if emulate and not gpu_present() else None)
-    return fp.key()
 
 
 def _tail(text: str | bytes | None) -> str:

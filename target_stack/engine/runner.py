@@ -123,8 +123,10 @@ class ModelRunner:
         page = table.gather(1, (pos // self.page_size)[:, None])[:, 0]
         offset = pos % self.page_size
         h = model.embed_tokens(tokens, check=False)[:, None]  # [B, 1, dim]: the sampler's own tokens
+        x = model.blocks[0].norm1(h)
+        # each residual add goes with the norm after it (RMSNorm.add_forward: one launch with the fused kernels)
+        after = [b.norm1 for b in model.blocks[1:]] + [model.norm]
         for i, block in enumerate(model.blocks):
-            x = block.norm1(h)
             if block.is_attn:
                 q, k, v, iq, ik = block.mixer.project(x[:, 0])
                 cache = self.kv[i]
@@ -136,10 +138,10 @@ class ModelRunner:
             else:
                 pool = self.states[i]
                 mix = block.mixer.decode_pooled(x, pool.conv, pool.kda, slots)
-            h = h + mix
-            y = block.norm2(h)
-            h = h + (block.ffn.forward_static(y) if static and isinstance(block.ffn, MoE) else block.ffn(y))
-        return F.linear(model.norm(h[:, 0]), model.lm_head)
+            h, y = block.norm2.add_forward(h, mix)
+            h, x = after[i].add_forward(h, block.ffn.forward_static(y) if static and isinstance(block.ffn, MoE)
+                                        else block.ffn(y))
+        return F.linear(x[:, 0], model.lm_head)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         self.graphs = CudaGraphDecoder(self, max_batch, math.ceil(max_model_len / self.page_size))
@@ -189,6 +191,11 @@ class CudaGraphDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # the next step's inputs are written here on the host (page-locked: the copies to the device are
+        # asynchronous DMA, no kernels), and ``copied`` marks when the device has read them
+        self.host_ids = torch.zeros(3, n, dtype=torch.long, pin_memory=True)  # tokens, lengths, slots
+        self.host_table = torch.zeros(n, max_pages, dtype=torch.long, pin_memory=True)
+        self.copied: torch.cuda.Event | None = None
 
     def _pad(self) -> None:
         self.tokens.zero_()
@@ -219,17 +226,18 @@ class CudaGraphDecoder:
         pages = max(len(s.pages) for s in seqs)
         if pages > self.max_pages:
             raise ValueError(f"a sequence holds {pages} pages, more than the graph's {self.max_pages}")
-        host = torch.zeros(3 + self.max_pages, b, dtype=torch.long)
-        host[1].fill_(1)
-        host[0, :n] = torch.tensor([s.output[-1] for s in seqs])
-        host[1, :n] = torch.tensor([s.length for s in seqs])
-        host[2, :n] = torch.tensor([s.slot for s in seqs])
-        for row, s in enumerate(seqs):
-            host[3:3 + len(s.pages), row] = torch.tensor(s.pages)
-        dev = host.to(self.runner.device, non_blocking=False)
-        self.tokens[:b].copy_(dev[0])
-        self.lengths[:b].copy_(dev[1])
-        self.slots[:b].copy_(dev[2])
-        self.table[:b].copy_(dev[3:].t())
+        pad = b - n  # rows for the null slot and the reserved page 0
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copies have read the host buffers
+        self.host_ids[:, :b] = torch.tensor([[s.output[-1] for s in seqs] + [0] * pad,
+                                             [s.length for s in seqs] + [1] * pad,
+                                             [s.slot for s in seqs] + [0] * pad])
+        self.host_table[:b] = torch.tensor([s.pages + [0] * (self.max_pages - len(s.pages)) for s in seqs]
+                                           + [[0] * self.max_pages] * pad)
+        for dst, src in ((self.tokens, self.host_ids[0]), (self.lengths, self.host_ids[1]),
+                         (self.slots, self.host_ids[2]), (self.table, self.host_table)):
+            dst[:b].copy_(src[:b], non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -42,6 +42,15 @@ class RMSNorm(torch.nn.Module):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, this norm of it): a residual stream's add and the next sublayer's norm, in one launch
+        where the kernel is on and the two agree in shape and dtype (the same bits as the two ops apart)."""
+        if (h.is_cuda if self.fused is None else self.fused) and h.shape == delta.shape and h.dtype == delta.dtype:
+            y, h = rms_norm(h, self.weight, self.eps, residual=delta)
+            return h, y
+        h = h + delta
+        return h, self(h)
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         xd = x.double()
         return (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + self.eps) * self.weight.double()).to(x.dtype)

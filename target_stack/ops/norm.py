@@ -2,12 +2,16 @@
 
     y = x * rsqrt(mean(x^2) + eps) * w            (over the last dimension, in fp32)
     y = y * sigmoid(gate)                          (gated: the KDA layer's output norm)
+    x = x + residual, stored, then normed          (the residual stream: add and norm in one launch)
 
 written in ``out_dtype`` (default: x's).  In torch the same takes seven to ten launches (the casts
 to fp32 and back, the square, the mean, the rsqrt, the products, the gate): a decode step at batch 1
 runs one norm per sublayer, each a few microseconds of launches around almost no work, which is
 what bounds the step (``bench/decode_ops.py`` counts them).  One program per row; rows up to a few
-thousand wide fit one block.  The model keeps its torch form on the CPU (``RMSNorm.forward``,
+thousand wide fit one block.  With a residual, the sum is rounded to x's dtype and stored, and the
+norm reads that rounded sum: the same bits as torch's ``x + residual`` followed by the norm, in one
+launch instead of two (a decode step adds into its residual stream twice per layer;
+``RMSNorm.add_forward``).  The model keeps its torch form on the CPU (``RMSNorm.forward``,
 ``KDALayer._output``), and its probes judge both forms against float64.
 """
 
@@ -17,15 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import CachedLaunch
+from target_stack.ops.utils import CachedLaunch, alloc
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, gate, y, N, eps, BLOCK: tl.constexpr, GATED: tl.constexpr):
+def _rms_norm_kernel(x, w, gate, res, h, y, N, eps, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                     RESIDUAL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
     xv = tl.load(x + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    if RESIDUAL:  # x + res rounded to x's dtype (as torch's add rounds it), stored, and normed as stored
+        hv = (xv + tl.load(res + row * N + offs, mask=m, other=0.0).to(tl.float32)).to(h.dtype.element_ty)
+        tl.store(h + row * N + offs, hv, mask=m)
+        xv = hv.to(tl.float32)
     wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
     out = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / N + eps) * wv
     if GATED:
@@ -37,21 +46,28 @@ _launch = CachedLaunch(_rms_norm_kernel)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm over the last dimension (times ``sigmoid(gate)``, of x's shape) in one launch."""
+             out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dimension (times ``sigmoid(gate)``, of x's shape) in one launch.  With
+    ``residual`` (x's shape and dtype): ``(norm(x + residual), x + residual)``, the sum in x's dtype."""
     N = x.shape[-1]
     if w.shape != (N,):
         raise ValueError(f"the norm's weight must have shape ({N},), got {tuple(w.shape)}")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     x = x.contiguous()
     gate = gate.contiguous() if gate is not None else None
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    res = residual.contiguous() if residual is not None else None
+    y = alloc(*x.shape, dtype=out_dtype or x.dtype, device=x.device)  # NaN while poisoning: every element written
+    h = alloc(*x.shape, dtype=x.dtype, device=x.device) if res is not None else None
     rows = x.numel() // N if N else 0
     if rows:
-        key = (N, x.dtype, w.dtype, y.dtype, gate is not None and gate.dtype, x.device)
+        key = (N, x.dtype, w.dtype, y.dtype, gate is not None and gate.dtype, res is not None, x.device)
         BLOCK = triton.next_power_of_2(N)
-        _launch((rows, 1, 1), key, (x, w, gate if gate is not None else x, y, N, float(eps)),
-                dict(BLOCK=BLOCK, GATED=gate is not None, num_warps=4 if BLOCK >= 1024 else 1))
-    return y
-
+        _launch((rows, 1, 1), key, (x, w, gate if gate is not None else x, res if res is not None else x,
+                                    h if h is not None else x, y, N, float(eps)),
+                dict(BLOCK=BLOCK, GATED=gate is not None, RESIDUAL=res is not None,
+                     num_warps=4 if BLOCK >= 1024 else 1))
+    return y if res is None else (y, h)

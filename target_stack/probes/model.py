@@ -25,6 +25,7 @@ RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 DECODE_INPUTS = "target_stack/ops/kda/decode_inputs.py"
 SPARSE_DECODE = "target_stack/ops/sparse_decode.py"
 ROUTE = "target_stack/ops/moe/route.py"
+NORM = "target_stack/ops/norm.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
 NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
@@ -52,11 +53,23 @@ def _check_norm(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
     with torch.no_grad():
         norm.weight.copy_(torch.rand(dim, generator=draw.cpu) + 0.5)
     norm.to(ctx.device)
-    for scale in p.get("norm_scales", [1e-3, 1.0, 50.0]):  # 1e-3: mean(x^2) ~ eps, where eps placement shows
-        x = draw.randn(3, 5, dim) * scale
-        where = dict(file=LAYERS, symbol="RMSNorm.forward", condition=f"|x| ~ {scale:g}, eps={eps:g}")
-        with chk.guard(**where), torch.no_grad():
-            chk.compare(norm(x), ref.rmsnorm(f64(x), f64(norm.weight), eps), "RMSNorm", **where)
+    # the torch form and the one-launch kernel (ops/norm.py), each alone and as the residual stream's add-and-norm
+    for fused, file, form in ((False, LAYERS, ""), (True, NORM, " (rms_norm)")):
+        norm.fused = fused
+        for scale in p.get("norm_scales", [1e-3, 1.0, 50.0]):  # 1e-3: mean(x^2) ~ eps, where eps placement shows
+            x = draw.randn(3, 5, dim) * scale
+            where = dict(file=file, symbol="RMSNorm.forward" + form, condition=f"|x| ~ {scale:g}, eps={eps:g}")
+            with chk.guard(**where), torch.no_grad():
+                chk.compare(norm(x), ref.rmsnorm(f64(x), f64(norm.weight), eps), "RMSNorm" + form, **where)
+            h, delta = draw.randn(3, 5, dim) * scale, draw.randn(3, 5, dim) * scale
+            where = dict(file=file, symbol="RMSNorm.add_forward" + form,
+                         condition=f"h + delta, |h| ~ {scale:g}, eps={eps:g}")
+            with chk.guard(**where), torch.no_grad():
+                total, y = norm.add_forward(h, delta)
+                chk.compare(total, f64(h) + f64(delta), "residual sum" + form, **where)
+                # the norm of the stored sum, as this form's norm alone gives it: a defect of the norm itself is
+                # judged (and named) above, not blamed on the add
+                chk.compare(y, f64(norm(total)), "norm of the sum" + form, **where)
 
 
 def _check_mlp(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
@@ -171,6 +184,14 @@ def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, bac
                         out = fn(x)
                         chk.compare(out[clear.to(out.device)], out_ref[clear], "MoE output", tolerance=tol,
                                     metric=metric, **where)
+        if c.get("route_dim"):  # a router wide enough that the kernel splits its product into several slices
+            wide = MoE(c["route_dim"], 8, c["experts"], top_k, draw.cpu, backend=backend)
+            with torch.no_grad():
+                wide.router_bias.copy_(torch.randn(c["experts"], generator=draw.cpu) * c.get("bias_scale", 0.2))
+            wide.to(ctx.device)
+            x = draw.randn(5, c["route_dim"])
+            _check_route(chk, wide, x, ref.moe(f64(x), wide)[1] > MARGIN,
+                         f"T=5, dim={c['route_dim']}, experts={c['experts']}, top_k={top_k}, float32")
 
 
 def _check_route(chk: Checker, moe, x: torch.Tensor, clear: torch.Tensor, cond: str) -> None:

@@ -380,7 +380,7 @@ class Checker:
             frame = self._culprit(exc)
             if frame is not None:
                 where = dict(where, file=frame[0], symbol=frame[1])
-            self.ctx.fail(f"raised {type(exc).__name__}: {exc}".splitlines()[0][:300], **where)
+            self.ctx.fail(raised_message(exc), **where)
 
     def _culprit(self, exc: BaseException) -> tuple[str, str] | None:
         """(file, function) of the innermost traceback frame in the tree's target_stack, probes excluded."""
@@ -420,7 +420,7 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     import tempfile
 
     def raised(exc: Exception) -> None:
-        ctx.fail(f"raised {type(exc).__name__}: {exc}".splitlines()[0][:300], **where)
+        ctx.fail(raised_message(exc), **where)
 
     if device_lost(ctx):
         return False, None
@@ -489,6 +489,11 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
 
 
 DEVICE_FAULT = "the device faulted"
+
+
+def raised_message(exc: BaseException) -> str:
+    """A finding's message for an exception of the code under test: its type and its first line."""
+    return f"raised {type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
 def device_lost(ctx) -> str | None:

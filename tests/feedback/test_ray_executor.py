@@ -62,7 +62,9 @@ def test_the_clusters_results_and_the_drivers_own_are_cached_apart(toy, cluster,
     again, = Runner(toy, manifest, cache_dir=cache, executor=cluster).run(specs)
     assert again.cached and again.ran_on == remote.ran_on
     assert Runner(toy, manifest, cache_dir=cache).run(specs)[0].cached
-    assert "|ray:cpu|" in cluster.environment_key(True)  # a CPU-only instance
+    # a CPU-only instance: its machines, their interpreter and the emulation they run, in the Fingerprint's fields
+    assert cluster.environment_key(True).endswith("|ray:cpu|interpreter|truncate")
+    assert cluster.environment_key(False).endswith("|ray:cpu|interpreter|None")
 
 
 def test_a_verdict_on_the_cluster_is_the_local_verdict(toy, cluster, tmp_path):

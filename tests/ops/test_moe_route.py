@@ -26,7 +26,10 @@ def _check(x, router, bias, top_k, w, idx):
     assert rel_err(w, ref / ref.sum(1, keepdim=True)) < 1e-6
 
 
-@pytest.mark.parametrize("T,D,E,top_k", [(1, 2048, 32, 4), (5, 96, 6, 2), (64, 200, 4, 4), (3, 64, 17, 1)])
+# the product is split over D in slices of 4096 // E (a power of two): one slice, sixteen, a ragged last one
+# (1000 = 7 * 128 + 104), and more slices than the second launch sums in one step (4096 / 16 = 256 > 16)
+@pytest.mark.parametrize("T,D,E,top_k", [(1, 2048, 32, 4), (5, 96, 6, 2), (64, 200, 4, 4), (3, 64, 17, 1),
+                                         (3, 1000, 17, 3), (2, 4096, 200, 8)])
 def test_the_router_picks_the_top_k_and_normalises_their_scores(T, D, E, top_k, gen):
     x = (torch.randn(T, D, generator=gen) * 2).to(DEVICE)
     router = (torch.randn(E, D, generator=gen) * D**-0.5).to(DEVICE)

@@ -18,6 +18,8 @@ the activations; accumulation is fp32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -94,7 +96,8 @@ def small_batch_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, w_g
     accumulated in fp32 and rounded once, so a layer that wants its activations' dtype pays no
     conversion launch), routing w, idx [T, k], and the weights of :func:`stack_with_shared` (the
     shared expert last).  ``tiles``: (BH, BD) of the gate/up kernel and (BD, BH) of the down kernel,
-    powers of two (a launch-parameter sweep; None: :func:`default_tiles`)."""
+    powers of two, optionally followed by each kernel's warps (a launch-parameter sweep; None:
+    :func:`default_tiles`)."""
     if x.dim() != 2 or w.shape != idx.shape or w.dim() != 2 or w.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, D] and w, idx [T, k]: got {tuple(x.shape)}, {tuple(w.shape)}, "
                          f"{tuple(idx.shape)}")
@@ -104,23 +107,45 @@ def small_batch_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, w_g
     if D_ != D or H2 % 2 or w_down.shape != (E1, D, H):
         raise ValueError(f"weights must be [E+1, 2H, {D}] and [E+1, {D}, H]: got {tuple(w_gu.shape)} and "
                          f"{tuple(w_down.shape)}")
-    BH, BD, BDo, BHo = tiles or default_tiles(D, H)
-    if any(b < 1 or b & (b - 1) for b in (BH, BD, BDo, BHo)):
-        raise ValueError(f"tiles must be powers of two, got {(BH, BD, BDo, BHo)}")
+    tiles = tuple(tiles or default_tiles(T, D, H, multiprocessors(x.device)))
+    if len(tiles) not in (4, 6) or any(b < 1 or b & (b - 1) for b in tiles):
+        raise ValueError(f"tiles must be 4 or 6 powers of two (BH, BD, BD, BH[, warps, warps]), got {tiles}")
+    BH, BD, BDo, BHo, W1, W2 = tiles if len(tiles) == 6 else (*tiles, 4, 4)
     x, w, idx = x.contiguous(), w.contiguous(), idx.contiguous()
     act = alloc(T * (top_k + 1), H, dtype=torch.float32, device=x.device)
     out = alloc(T, D, dtype=out_dtype, device=x.device)
     if T:
-        key = (T, D, H, E, top_k, x.dtype, w_gu.dtype, idx.dtype, out_dtype, BH, BD, BDo, BHo, x.device)
+        key = (T, D, H, E, top_k, x.dtype, w_gu.dtype, idx.dtype, out_dtype, tiles, x.device)
         _gate_up((T * (top_k + 1), triton.cdiv(H, BH), 1), key, (x, w, idx, w_gu, act, D, H, E),
-                 dict(TOPK=top_k, BH=BH, BD=BD, num_warps=4))
+                 dict(TOPK=top_k, BH=BH, BD=BD, num_warps=W1))
         _down((T, triton.cdiv(D, BDo), 1), key, (act, idx, w_down, out, D, H, E),
-              dict(TOPK=top_k, BD=BDo, BH=BHo, num_warps=4))
+              dict(TOPK=top_k, BD=BDo, BH=BHo, num_warps=W2))
     return out
 
 
-def default_tiles(D: int, H: int) -> tuple[int, int, int, int]:
-    """(BH, BD) of the gate/up kernel and (BD, BH) of the down kernel: 64 hidden units by up to 128 model
-    dimensions per step, then 64 model dimensions by up to 128 hidden units (H200 timings in RESULTS)."""
-    return (min(triton.next_power_of_2(H), 64), min(triton.next_power_of_2(D), 128),
-            min(triton.next_power_of_2(D), 64), min(triton.next_power_of_2(H), 128))
+def default_tiles(T: int, D: int, H: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BH, BD) of the gate/up kernel, (BD, BH) of the down kernel, and their warps, for T tokens on a GPU of
+    ``sms`` multiprocessors.
+
+    The gate/up kernel runs T (k + 1) H / BH programs, enough at any T with 8 hidden units of up to 1024
+    model dimensions per step.  The down kernel runs only T D / BD programs, and its tile is what a small
+    batch is bound by: about four programs per multiprocessor (BD = T D / 4 sms, 4 to 64), each reading
+    up to 4096 weights a step.  On the H200 (132 SMs, the bench preset's layer; bench/small_batch_tiles.py,
+    bench/RESULTS.md 2026-12-04e) this took the layer from 81 to 26 us at one token, and it was the best of
+    17 tilings, or within 3% of it, at 1, 2, 4, 8 and 16 tokens."""
+    bd_down = max(4, min(64, _pow2_floor(T * D // (4 * max(sms, 1)))))
+    bd_down = min(bd_down, triton.next_power_of_2(D))
+    return (min(8, triton.next_power_of_2(H)), min(1024, triton.next_power_of_2(D)),
+            bd_down, max(min(4096 // bd_down, triton.next_power_of_2(H)), 16), 4, 4)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (132 where there is none to ask: the interpreter's tiles are not timed)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
