@@ -26,6 +26,7 @@ DECODE_INPUTS = "target_stack/ops/kda/decode_inputs.py"
 SPARSE_DECODE = "target_stack/ops/sparse_decode.py"
 ROUTE = "target_stack/ops/moe/route.py"
 NORM = "target_stack/ops/norm.py"
+SMALL_BATCH = "target_stack/ops/moe/small_batch.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
 NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
@@ -97,6 +98,8 @@ def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
         moe_reference,
         sort_pairs,
     )
+    from target_stack.ops.moe.small_batch import MAX_TOKENS as SMALL_BATCH_TOKENS
+    from target_stack.ops.moe.small_batch import small_batch_experts, stack_with_shared
 
     c = ctx.params["moe"]
     for top_k in c.get("top_k", [2]):
@@ -128,6 +131,14 @@ def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
                 with chk.guard(**where), torch.no_grad():
                     chk.compare(fn(), want, "MoE combine", tolerance=tol if bf16 else None,
                                 metric="max_rel_err_bf16" if bf16 else None, **where)
+            if T <= SMALL_BATCH_TOKENS:  # the two-launch kernel, shared expert included, on the same chosen experts
+                where = dict(file=SMALL_BATCH, symbol="small_batch_experts", condition=cond + ", shared expert")
+                with chk.guard(**where), torch.no_grad():
+                    mods = [*moe.experts, moe.shared]
+                    gu, down = stack_with_shared([m.w_gate for m in mods], [m.w_up for m in mods],
+                                                 [m.w_down for m in mods], x.dtype)
+                    chk.compare(small_batch_experts(x, w, idx, gu, down), want + ref.swiglu(f64(x), moe.shared),
+                                "small-batch experts", **where)
 
 
 def _moe_paths(moe, bf16: bool) -> dict:
