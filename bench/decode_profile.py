@@ -30,19 +30,26 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-#: kernel-name patterns of each kind, first match wins (cuBLAS/CUTLASS names, aten's elementwise templates)
-KINDS = (("matmul", re.compile(r"gemm|gemv|cutlass|sm90_|nvjet|splitK|cublas", re.I)),
-         ("copy/convert", re.compile(r"copy|convert|cast|to_copy|direct_copy", re.I)),
+MATMUL = re.compile(r"gemm|gemv|cutlass|nvjet|splitK|cublas", re.I)  # cuBLAS / CUTLASS kernel names
+#: aten's kernels by the words in their template names, first match wins
+KINDS = (("copy/convert", re.compile(r"copy|convert|cast", re.I)),
          ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
          ("reduce", re.compile(r"reduce|softmax|norm|topk|sort|scan|argmax", re.I)))
 
 
 def kind(name: str) -> str:
-    """A kernel's kind from its name: a Triton kernel is named after its function (no template noise)."""
+    """A kernel's kind from its name.  A Triton kernel is named after its function: no template, namespace
+    or argument list (and no "Memcpy"/"Memset", the copy engine's own records)."""
+    if MATMUL.search(name):
+        return "matmul"
+    if re.match(r"Mem(cpy|set)\b", name):
+        return "copy/convert"
+    if not any(c in name for c in "<:( "):
+        return "triton"
     for label, pattern in KINDS:
         if pattern.search(name):
             return label
-    return "triton" if not any(c in name for c in "<:(") else "other"
+    return "other"
 
 
 def profile(preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
