@@ -8,6 +8,7 @@ variants, and splits the eager decode call into validation, allocation and launc
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import sys
 import time
@@ -15,7 +16,6 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import torch
-import triton
 from triton.testing import do_bench
 
 import target_stack.ops.kda.chunk as C
@@ -24,58 +24,42 @@ from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import check_kda_inputs
 
 
+def kernel_times(fn, n=20) -> dict[str, float]:
+    """Each CUDA kernel's device time per call of ``fn`` (torch.profiler over ``n`` calls), in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / n
+    return times
+
+
 def prefill(T=4096, H=16, K=128, V=128):
+    """The whole prefill over the launch shapes of ``chunk.LAUNCH``, then each kernel's time at the best."""
     q, k, v, g, beta = make_inputs(1, T, H, K, V, dtype=torch.bfloat16, device="cuda", decay_shift=3.0)
     g, beta = g.float(), beta.float()
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
-    seq, pos, offs = C.prepare_chunks(cu, C.CHUNK_SIZE)
-    NT = seq.numel()
-    BT, BK = 64, 128
-    f32 = dict(dtype=torch.float32, device="cuda")
-    gc = torch.empty(1, T, H, K, **f32)
-    Akk = torch.empty(1, T, H, BT, **f32)
-    Pqk = torch.empty(1, T, H, BT, **f32)
-    h, v_new = torch.empty(NT, H, K, V, **f32), torch.empty(1, T, H, V, **f32)
-    ht = torch.empty(1, H, K, V, **f32)
-    o = torch.empty_like(v)
-    scale = K**-0.5
-    print(f"prefill T={T} H={H} K={K} V={V}: {NT} chunks")
-    def timed(name, fn):
-        try:
-            print(f"  {name}: {do_bench(fn) * 1e3:8.1f} us")
-        except Exception as e:  # noqa: BLE001
-            print(f"  {name}: {type(e).__name__} {str(e)[:100]}")
-
-    timed("cumsum", lambda: C._kda_cumsum_kernel[(NT, H)](g, gc, cu, seq, pos, H=H, K=K, BT=BT, BK=BK))
-    for nw in (1, 2, 4, 8):
-        for lowp in (True, False):
-            timed(f"blocks warps={nw} lowp={lowp}", lambda: C._kda_intra_block_kernel[(NT, 10, H)](
-                q, k, gc, Akk, Pqk, cu, seq, pos, scale, H=H, K=K, BT=BT, BC=16, BK=BK, NC=4,
-                LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
-    kd = torch.empty(1, T, H, K, dtype=torch.bfloat16, device="cuda")
-    bf16 = dict(dtype=torch.bfloat16, device="cuda")
-    wb, ub = torch.empty(1, T, H, K, **bf16), torch.empty(1, T, H, V, **bf16)
-    for nw in (4, 8):
-        for lowp in (True,):
-            for BV in (32, 64):
-                timed(f"solve  warps={nw} lowp={lowp} BV={BV}", lambda: C._kda_solve_kernel[(NT, H)](
-                    k, v, beta, gc, Akk, wb, ub, kd, cu, seq, pos, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOG2_BT=6,
-                    LOWP=lowp, DOT_PRECISION="tf32x3", INV_PRECISION="tf32" if lowp else "tf32x3", num_warps=nw))
-    for BV in (32, 64):
-        for nw in (4, 8):
-            for stages in (1, 2, 3):
-                grid = (triton.cdiv(V, BV), 1, H)
-                timed(f"state  BV={BV} warps={nw} stages={stages}", lambda: C._kda_state_kernel[grid](
-                    kd, gc, wb, ub, v_new, h, None, ht, cu, offs, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                    USE_INITIAL_STATE=False, STORE_FINAL_STATE=True, LOWP=True, DOT_PRECISION="tf32x3",
-                    num_warps=nw, num_stages=stages))
-    for lowp in (True, False):
-        for BV in (32, 64):
-            for nw in (4, 8):
-                t = do_bench(lambda: C._kda_output_kernel[(triton.cdiv(V, BV), NT, H)](
-                    q, gc, Pqk, v_new, h, o, cu, seq, pos, scale, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                    LOWP=lowp, DOT_PRECISION="tf32x3", num_warps=nw))
-                print(f"  output lowp={lowp} BV={BV} warps={nw}: {t * 1e3:8.1f} us")
+    chunks = C.prepare_chunks(cu, C.CHUNK_SIZE)
+    call = lambda: C.chunk_kda_fwd(q, k, v, g, beta, K**-0.5, None, True, cu, chunks, "tf32x3")  # noqa: E731
+    print(f"prefill T={T} H={H} K={K} V={V}: {chunks[0].numel()} chunks")
+    default, best = dict(C.LAUNCH), None
+    for heads, dwarps, swarps, keys in itertools.product((1, 2, 4, 8), (1, 2, 4), (4, 8), (64, 128)):
+        C.LAUNCH.update(diag_heads=heads, diag_warps=dwarps, solve_warps=swarps, solve_keys=keys)
+        t = do_bench(call, return_mode="median") * 1e3
+        print(f"  {C.LAUNCH}: {t:8.1f} us", flush=True)
+        best = min(best or (t, dict(C.LAUNCH)), (t, dict(C.LAUNCH)), key=lambda x: x[0])
+    print(f"best {best[1]}: {best[0]:.1f} us (the default {default})")
+    C.LAUNCH.update(best[1])
+    for name, us in sorted(kernel_times(call).items(), key=lambda x: -x[1]):
+        print(f"  {name}: {us:8.1f} us")
+    C.LAUNCH.update(default)
 
 
 def decode_overhead(N=1, H=32, K=128, V=128):

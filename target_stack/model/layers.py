@@ -29,6 +29,11 @@ from target_stack.ops.norm import rms_norm
 from target_stack.ops.sparse_decode import sparse_decode_attention_kernel
 
 
+def kernel_on(x: torch.Tensor, flag: bool | None) -> bool:
+    """A module's switch for its Triton form: True always, False never, None where ``x`` is on a GPU."""
+    return x.is_cuda if flag is None else flag
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -37,7 +42,7 @@ class RMSNorm(torch.nn.Module):
         self.fused: bool | None = False  # the one-launch Triton kernel (ops/norm.py): always, never, None: on a GPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda if self.fused is None else self.fused:
+        if kernel_on(x, self.fused):
             return rms_norm(x, self.weight, self.eps)  # one launch instead of seven
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
@@ -45,7 +50,7 @@ class RMSNorm(torch.nn.Module):
     def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, this norm of it): a residual stream's add and the next sublayer's norm, in one launch
         where the kernel is on and the two agree in shape and dtype (the same bits as the two ops apart)."""
-        if (h.is_cuda if self.fused is None else self.fused) and h.shape == delta.shape and h.dtype == delta.dtype:
+        if kernel_on(h, self.fused) and h.shape == delta.shape and h.dtype == delta.dtype:
             y, h = rms_norm(h, self.weight, self.eps, residual=delta)
             return h, y
         h = h + delta
@@ -104,7 +109,7 @@ class MoE(torch.nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]): sigmoid scores, top-k chosen with the bias, normalised."""
-        if (x.is_cuda if self.fused is None else self.fused) and x.shape[0] <= ROUTE_KERNEL_TOKENS:
+        if kernel_on(x, self.fused) and x.shape[0] <= ROUTE_KERNEL_TOKENS:
             return moe_route(x, self.router, self.router_bias, self.top_k)  # one launch instead of eleven
         scores = torch.sigmoid(F.linear(x.float(), self.router.float()))
         _, idx = torch.topk(scores + self.router_bias.float(), self.top_k, dim=-1)
@@ -158,7 +163,7 @@ class MoE(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         w, idx = self.route(x2)
-        if (x.is_cuda if self.small_batch is None else self.small_batch) and x2.shape[0] <= SMALL_BATCH_TOKENS:
+        if kernel_on(x, self.small_batch) and x2.shape[0] <= SMALL_BATCH_TOKENS:
             # the chosen experts and the shared one in two launches instead of about seventeen
             return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype), out_dtype=x.dtype).reshape(shape)
         out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else masked_dense(x2, w, idx, *self.stacked_weights())
@@ -259,7 +264,7 @@ def sparse_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     No host synchronisation: a decode step stays capturable in a CUDA graph.  ``fused``: the two-launch
     Triton form (``ops/sparse_decode.py``) always, never, or (None) on a GPU.
     """
-    if q.is_cuda if fused is None else fused:
+    if kernel_on(q, fused):
         return sparse_decode_attention_kernel(q, k, v, idx_q, idx_k, lengths, block, top_k, window)
     B, L, H, D = k.shape
     nb = math.ceil(L / block)

@@ -6,6 +6,7 @@ the interpreter) and objective (a float64 reference, a threshold).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -90,9 +91,29 @@ def _case_kernel(fn, case: dict):
         extra = {n: t.to(q.device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
         if gate:
             extra.update(A_log=gate[0], dt_bias=gate[1], use_gate_in_kernel=True)
-        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **extra)
+        with _diag_form(case.get("diag")):
+            return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **extra)
 
     return call
+
+
+@contextlib.contextmanager
+def _diag_form(form: str | None):
+    """A case's ``diag: token | block``: the prefill's diagonal blocks in that form whatever the device (by
+    default a GPU runs the token form and the interpreter the block form, so each would be judged on one
+    kind of machine only)."""
+    if form is None:
+        yield
+        return
+    if form not in ("token", "block"):
+        raise ValueError(f"diag must be 'token' or 'block', got {form!r}")
+    from target_stack.ops.kda import chunk
+
+    before, chunk.DIAG_BY_TOKEN = chunk.DIAG_BY_TOKEN, form == "token"
+    try:
+        yield
+    finally:
+        chunk.DIAG_BY_TOKEN = before
 
 
 def _case_ref(case: dict):
@@ -152,7 +173,8 @@ def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
 
 @probe(kind="correctness")
 def chunk_correctness(ctx: ProbeContext) -> None:
-    _sweep(ctx, chunk_kda, CHUNK, "_kda_intra_block_kernel/_kda_solve_kernel/_kda_state_kernel/_kda_output_kernel")
+    _sweep(ctx, chunk_kda, CHUNK,
+           "_kda_diag_token_kernel/_kda_diag_block_kernel/_kda_solve_kernel/_kda_state_kernel/_kda_output_kernel")
 
 
 @probe(kind="correctness")

@@ -98,13 +98,13 @@ def test_chunk_kda_varlen_matches_per_sequence_reference(gen):
         assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
 
 
-@pytest.mark.parametrize("by_column", [True, False])
-def test_both_forms_of_the_diagonal_blocks_are_exact(by_column, gen, monkeypatch):
-    """The intra kernel's diagonal blocks column by column (a GPU's form) or as one 3-D product (the
-    interpreter's): each on every machine, on sequences that end inside a block and strong decays."""
+@pytest.mark.parametrize("by_token", [True, False])
+def test_both_forms_of_the_diagonal_blocks_are_exact(by_token, gen, monkeypatch):
+    """The diagonal blocks a program per token (a GPU's form) or a program per block as one 3-D product
+    (the interpreter's): each on every machine, on sequences that end inside a block and strong decays."""
     from target_stack.ops.kda import chunk as chunk_module
 
-    monkeypatch.setattr(chunk_module, "DIAG_BY_COLUMN", by_column)
+    monkeypatch.setattr(chunk_module, "DIAG_BY_TOKEN", by_token)
     lens = [9, 70, 40]
     T, H, K, V = sum(lens), 2, 32, 16
     q, k, v, g, beta = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
@@ -115,6 +115,20 @@ def test_both_forms_of_the_diagonal_blocks_are_exact(by_column, gen, monkeypatch
         a, b = cu[n].item(), cu[n + 1].item()
         ro, rs = ref64(*(t[:, a:b] for t in (q, k, v, g, beta)))
         assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
+
+
+@pytest.mark.parametrize("keys", [16, 64])
+def test_the_solve_s_key_slices_give_the_same_prefill(keys, gen, monkeypatch):
+    """The solve kernel runs over slices of the key channels (the cumulative decay is per channel): 48 keys
+    in three slices of 16 or one of 64 (its last 16 masked), each exact against float64."""
+    from target_stack.ops.kda import chunk as chunk_module
+
+    monkeypatch.setitem(chunk_module.LAUNCH, "solve_keys", keys)
+    q, k, v, g, beta = make_inputs(1, 150, 2, 48, 24, generator=gen, device=DEVICE)
+    h0 = torch.randn(1, 2, 48, 24, generator=gen).to(DEVICE)
+    o, s = chunk_kda(q, k, v, g - 1.0, beta, initial_state=h0, output_final_state=True)
+    ro, rs = ref64(q, k, v, g - 1.0, beta, h0)
+    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)

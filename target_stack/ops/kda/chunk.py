@@ -1,14 +1,16 @@
 """Chunked KDA prefill in Triton (forward only).
 
-Five kernels, the usual split of a chunked linear-attention forward:
+Four kernels, the usual split of a chunked linear-attention forward:
 
-1. intra-chunk work, all chunks in parallel: ``_kda_cumsum_kernel`` (the within-chunk cumulative
-   decay G), ``_kda_intra_block_kernel`` (one 16 x 16 block of the strictly lower matrix
-   L[i, j] = <k_i, k_j exp(G_i - G_j)> and of the causal scores P[i, j] = scale <q_i, k_j
-   exp(G_i - G_j)> per program: ten blocks per chunk run side by side; off-diagonal blocks as two
-   products gated around the decay before block i, diagonal ones exactly, column by column), ``_kda_solve_kernel``
-   (the UT transform T = (I + Diag(b) L)^-1 Diag(b) by recursive doubling, w = T (exp(G) k),
-   u = T v).  Every exponent is a difference G_i - G_j with j <= i, so no decay can overflow.
+1. intra-chunk work, all chunks in parallel:
+   - ``_kda_diag_token_kernel`` (a GPU) or ``_kda_diag_block_kernel`` (the interpreter): the diagonal
+     16 x 16 blocks of the strictly lower matrix L[i, j] = <k_i, k_j exp(G_i - G_j)> and of the causal
+     scores P[i, j] = scale <q_i, k_j exp(G_i - G_j)>, exactly (G: the cumulative log decay within the
+     chunk; exp(G_i - G_j) does not factor into a product of two bounded terms there);
+   - ``_kda_solve_kernel``: G in registers, the off-diagonal blocks of L and P as tensor-core products
+     gated around a block boundary, the UT transform T = (I + Diag(b) L)^-1 Diag(b) by recursive
+     doubling, w = T (exp(G) k), u = T v, and what the later kernels need of G.
+   Every exponent is a difference G_i - G_j with j <= i, so no decay can overflow.
 2. ``_kda_state_kernel`` (one program per sequence, head and V tile; sequential over chunks):
    stores the state entering each chunk, the effective values u' = u - w S, and advances
    S <- Diag(exp(G_C)) S + (k exp(G_C - G))^T u'.
@@ -27,9 +29,16 @@ import triton.language as tl
 
 from target_stack.ops.utils import alloc, block_size, check_kda_inputs, interpreting, resolve_dot_precision
 
-#: how the intra kernel builds its diagonal blocks: column by column (True), as one 3-D product (False),
-#: or (None) by column on a GPU and as one product in the interpreter (``_diag_block``)
-DIAG_BY_COLUMN: bool | None = None
+#: how the diagonal blocks are built: a program per token (True, ``_kda_diag_token_kernel``), a program per
+#: block as one 3-D product (False, ``_kda_diag_block_kernel``), or (None) by token on a GPU and by block in
+#: the interpreter
+DIAG_BY_TOKEN: bool | None = None
+
+#: launch shapes: heads and warps of a diagonal-token program; warps and key-slice width of a solve program.
+#: On an H200 at 4096 tokens (H=16, K=V=128, bf16; bench/RESULTS.md, 2026-12-04): the token kernel took 59 us
+#: at 2 heads and 1 warp (the sweep's 30 shapes: 404-672 us for the whole prefill); the solve took 4 warps
+#: and 64-wide slices (338 us prefill) before 128-wide (401), 8 warps (434) or a register cap (361-410)
+LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64}
 
 CHUNK_SIZE = 64
 
@@ -54,150 +63,165 @@ def _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT: tl.constexpr):
 
 
 @triton.jit
-def _kda_cumsum_kernel(
-    g, gc, cu_seqlens, chunk_seq, chunk_pos,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def _kda_diag_token_kernel(
+    q, k, g, Akd, Pqk,
+    cu_seqlens, chunk_seq, chunk_pos,
+    scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):
-    """G: the cumulative log decay within each chunk (one program per chunk and head)."""
+    """The diagonal 16 x 16 blocks, one token (row) and BH heads per program: grid (chunks, BT, heads / BH).
+
+    Row t of its block holds L[t, j] = <k_t, k_j exp(G_t - G_j)> for j < t and P[t, j] = scale <q_t, k_j
+    exp(G_t - G_j)> for j <= t: a loop over only the keys at or before t, newest first, in which
+    G_t - G_j is the running sum of the raw log decays g over (j, t].  No cumulative decay is read, no
+    exponent is ever positive, and no work is spent on the block's upper triangle."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_r = tl.program_id(1)
+    i_hg = tl.program_id(2)
     t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_tk = ((t0 + rows) < eos)[:, None] & (o_k < K)[None, :]
-    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-    b_g = tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(gc + off_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
+    t = t0 + i_r
+    if t < eos:
+        o_h = i_hg * BH + tl.arange(0, BH)
+        o_k = tl.arange(0, BK)
+        m_h = o_h < H
+        m_hk = m_h[:, None] & (o_k < K)[None, :]
+        off_t = (t * H + o_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + off_t, mask=m_hk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + off_t, mask=m_hk, other=0.0).to(tl.float32)
+        b_gap = tl.zeros([BH, BK], dtype=tl.float32)  # G_t - G_j: the sum of g over (j, t]
+        i_s = i_r % BC  # the row's place in its block: keys j = t - n for n = 0 .. i_s
+        for n in range(0, i_s + 1):
+            j = t - n
+            off_j = (j * H + o_h)[:, None] * K + o_k[None, :]
+            b_kgj = tl.load(k + off_j, mask=m_hk, other=0.0).to(tl.float32) * tl.exp(b_gap)
+            b_gap += tl.load(g + off_j, mask=m_hk, other=0.0).to(tl.float32)
+            b_P = tl.sum(b_q * b_kgj, axis=1) * scale
+            b_L = tl.sum(b_k * b_kgj, axis=1)
+            tl.store(Pqk + (t * H + o_h) * BT + (i_r - n), b_P.to(Pqk.dtype.element_ty), mask=m_h)
+            tl.store(Akd + (t * H + o_h) * BC + (i_s - n), b_L, mask=m_h & (n > 0))
 
 
 @triton.jit
-def _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j,
-                   H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                   LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Block (i, j), j < i: two products gated around the reference G_r, the cumulative decay just
-    before block i (G_i <= G_r <= G_j, so both gates are <= 1)."""
-    sub = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    r_i = t0 + i_i * BC + sub
-    m_i = r_i < eos
-    m_ik = m_i[:, None] & m_k[None, :]
-    off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
-    g_ref = tl.load(gc + ((t0 + i_i * BC - 1) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-    b_qi = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_ki = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_gi = tl.load(gc + off_ik, mask=m_ik, other=0.0)
-    gate_i = tl.exp(tl.where(m_ik, b_gi - g_ref[None, :], float("-inf")))
-    r_j = t0 + i_j * BC + sub  # block j lies before block i: every row is inside the sequence
-    m_jk = (r_j < eos)[:, None] & m_k[None, :]
-    off_jk = (r_j * H + i_h)[:, None] * K + o_k[None, :]
-    b_kj = tl.load(k + off_jk, mask=m_jk, other=0.0).to(tl.float32)
-    b_gj = tl.load(gc + off_jk, mask=m_jk, other=0.0)
-    b_kgj = tl.trans(b_kj * tl.exp(tl.where(m_jk, g_ref[None, :] - b_gj, float("-inf"))))
-    off_ij = (r_i * H + i_h)[:, None] * BT + i_j * BC + sub[None, :]
-    tl.store(Akk + off_ij, _dot(b_ki * gate_i, b_kgj, LOWP, DOT_PRECISION), mask=m_i[:, None])
-    tl.store(Pqk + off_ij, _dot(b_qi * gate_i, b_kgj, LOWP, DOT_PRECISION) * scale, mask=m_i[:, None])
-
-
-@triton.jit
-def _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                BY_COLUMN: tl.constexpr):
-    """Block (i, i), exactly, the exponent masked to rows i >= j before exp() (no exponent is ever
-    positive, padding rows never reach exp()).  ``BY_COLUMN`` (a GPU): for each key row j of the block,
-    the block's rows times k_j exp(G_i - G_j), reduced over K; on an H200 this took the intra kernel
-    from 273 to 179 us at 4096 tokens against building the block from [BC, BC, 8] slices of the
-    products, whose 3-D layout the reductions paid for (bench/RESULTS.md, 2026-12-04).  Otherwise (the
-    interpreter, where every operation costs alike whatever its size): one [BC, BC, BK] product, which
-    runs the KDA probes twice as fast there as the sixteen columns do."""
-    sub = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    r_i = t0 + i_i * BC + sub
-    m_i = r_i < eos
-    m_ik = m_i[:, None] & m_k[None, :]
-    off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
-    b_q = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_k = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_g = tl.load(gc + off_ik, mask=m_ik, other=0.0)
-    if BY_COLUMN:
-        b_L = tl.zeros([BC, BC], dtype=tl.float32)
-        b_P = tl.zeros([BC, BC], dtype=tl.float32)
-        for j in range(0, BC):
-            r_j = t0 + i_i * BC + j
-            m_jk = m_k & ((r_j + 0 * o_k) < eos)  # (a tensor mask: the interpreter refuses a scalar one)
-            b_kj = tl.load(k + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0).to(tl.float32)
-            b_gj = tl.load(gc + (r_j * H + i_h) * K + o_k, mask=m_jk, other=0.0)
-            keep = (m_i & (sub >= j))[:, None] & m_k[None, :]
-            b_kgj = tl.exp(tl.where(keep, b_g - b_gj[None, :], float("-inf"))) * b_kj[None, :]
-            b_L = tl.where(sub[None, :] == j, tl.sum(b_k * b_kgj, axis=1)[:, None], b_L)
-            b_P = tl.where(sub[None, :] == j, tl.sum(b_q * b_kgj, axis=1)[:, None], b_P)
-    else:
-        keep = ((sub[:, None] >= sub[None, :]) & (m_i[:, None] & m_i[None, :]))[:, :, None] & m_k[None, None, :]
-        b_kd = b_k[None, :, :] * tl.exp(tl.where(keep, b_g[:, None, :] - b_g[None, :, :], float("-inf")))
-        b_L = tl.sum(b_k[:, None, :] * b_kd, axis=2)
-        b_P = tl.sum(b_q[:, None, :] * b_kd, axis=2)
-    off_ii = (r_i * H + i_h)[:, None] * BT + i_i * BC + sub[None, :]
-    tl.store(Akk + off_ii, b_L, mask=m_i[:, None])
-    tl.store(Pqk + off_ii, b_P * scale, mask=m_i[:, None])
-
-
-@triton.jit
-def _kda_intra_block_kernel(
-    q, k, gc, Akk, Pqk,
+def _kda_diag_block_kernel(
+    q, k, g, Akd, Pqk,
     cu_seqlens, chunk_seq, chunk_pos,
     scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    NC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, BY_COLUMN: tl.constexpr,
 ):
-    """One [BC, BC] block (i, j), j <= i, of L[i, j] = <k_i, k_j exp(G_i - G_j)> and
-    P[i, j] = scale <q_i, k_j exp(G_i - G_j)> per program: grid (chunks, NC (NC + 1) / 2, heads)."""
+    """The same diagonal blocks, one block and head per program as one [BC, BC, BK] product (the
+    interpreter's form: there every operation costs alike whatever its size, and this one takes a
+    sixteenth of the token kernel's operations).  G_i - G_j is a difference of the block's own
+    cumulative sums of g, masked to j <= i before exp()."""
     i_c = tl.program_id(0)
-    i_p = tl.program_id(1)
+    i_i = tl.program_id(1)
     i_h = tl.program_id(2)
-    i_i = 0
-    for r in tl.static_range(1, NC):  # pair index p = i (i + 1) / 2 + j
-        i_i += (i_p >= r * (r + 1) // 2).to(tl.int32)
-    i_j = i_p - i_i * (i_i + 1) // 2
     t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
-    if t0 + i_i * BC < eos:  # blocks wholly past the sequence end (short last chunk) are skipped
-        if i_j < i_i:
-            _offdiag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, i_j, H, K, BT, BC, BK, LOWP, DOT_PRECISION)
-        else:
-            _diag_block(q, k, gc, Akk, Pqk, scale, t0, eos, i_h, i_i, H, K, BT, BC, BK, BY_COLUMN)
+    if t0 + i_i * BC < eos:
+        sub = tl.arange(0, BC)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        r_i = t0 + i_i * BC + sub
+        m_i = r_i < eos
+        m_ik = m_i[:, None] & m_k[None, :]
+        off_ik = (r_i * H + i_h)[:, None] * K + o_k[None, :]
+        b_q = tl.load(q + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_k = tl.load(k + off_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_g = tl.cumsum(tl.load(g + off_ik, mask=m_ik, other=0.0).to(tl.float32), axis=0)
+        keep = ((sub[:, None] >= sub[None, :]) & (m_i[:, None] & m_i[None, :]))[:, :, None] & m_k[None, None, :]
+        b_kd = b_k[None, :, :] * tl.exp(tl.where(keep, b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+        b_L = tl.sum(b_k[:, None, :] * b_kd, axis=2)
+        b_P = tl.sum(b_q[:, None, :] * b_kd, axis=2) * scale
+        row = (r_i * H + i_h)[:, None]
+        tl.store(Akd + row * BC + sub[None, :], b_L, mask=m_i[:, None] & (sub[:, None] > sub[None, :]))
+        tl.store(Pqk + row * BT + i_i * BC + sub[None, :], b_P.to(Pqk.dtype.element_ty),
+                 mask=m_i[:, None] & (sub[:, None] >= sub[None, :]))
 
 
 @triton.jit
 def _kda_solve_kernel(
-    k, v, beta, gc, Akk, w, u, kd,
+    q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast,
     cu_seqlens, chunk_seq, chunk_pos,
+    scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LOG2_BT: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
+    LOG2_BT: tl.constexpr, LOG2_BC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
-    """The UT transform T = (I + Diag(b) L)^-1 Diag(b) of one chunk and head, then w = T (exp(G) k),
-    u = T v, and kd = k exp(G_last - G), the keys decayed to the chunk's end that the sequential
-    state kernel needs (computed here, in parallel, instead of inside its loop).  w, u and kd are
-    stored in their buffers' dtype: 16-bit for 16-bit inputs, as the products take them anyway."""
+    """Everything else of one chunk and head that is parallel over chunks, in three passes:
+
+    1. over slices of BK key channels (G, the cumulative log decay, is per channel, so a slice needs no
+       other): G in registers (never stored); the off-diagonal blocks of L and P, for each block row b
+       one product gated around G just before block b (G_i <= G_r <= G_j, so both gates are <= 1),
+       summed over the slices; and what the later kernels read instead of G: kd = k exp(G_last - G) and
+       G_last (the state kernel), qg = scale q exp(G) (the output kernel), k exp(G) (kept in ``w``);
+    2. the diagonal blocks from ``Akd``, then the UT transform T = (I + Diag(b) L)^-1 Diag(b);
+    3. w = T (exp(G) k) over the same slices, u = T v over slices of BV value channels.
+
+    Only [BT, BK] slices and the [BT, BT] matrices are ever live.  w, u, kd and qg are stored in their
+    buffers' dtype: 16-bit for 16-bit inputs, as the products take them anyway."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     m_t = (t0 + rows) < eos
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+    last = (rows == tl.minimum(eos - t0, BT) - 1)[:, None]  # the chunk's last token
     off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
-    lower = rows[:, None] > cols[None, :]
+
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, (K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        for b in tl.static_range(1, NC):
+            if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
+                g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
+                in_b = m_t & (rows // BC == b)
+                gate = tl.exp(tl.where(in_b[:, None] & m_k[None, :], b_gc - g_ref[None, :], float("-inf")))
+                before = (rows < b * BC)[:, None] & m_k[None, :]
+                b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
+                b_A += _dot(b_k * gate, b_kgt, LOWP, DOT_PRECISION)
+                b_P += _dot(b_q * gate, b_kgt, LOWP, DOT_PRECISION)
+        b_eg = tl.where(m_tk, tl.exp(b_gc), 0.0)
+        tl.store(w + off_tk, (b_k * b_eg).to(w.dtype.element_ty), mask=m_tk)  # k exp(G), until pass 3
+        tl.store(qg + off_tk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_tk)
+        g_last = tl.sum(tl.where(last, b_gc, 0.0), axis=0)
+        tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=m_k)
+        b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
+        tl.store(kd + off_tk, b_kd.to(kd.dtype.element_ty), mask=m_tk)
+    cross = m_t[:, None] & ((cols // BC)[None, :] < (rows // BC)[:, None])
+    tl.store(Pqk + off_tt, (b_P * scale).to(Pqk.dtype.element_ty), mask=cross)
+
     b_b = tl.load(beta + (t0 + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_L = tl.load(Akk + off_tt, mask=m_t[:, None] & lower, other=0.0) * b_b[:, None]
+    b_L = b_A * b_b[:, None]  # Diag(b) L off the diagonal blocks
 
     # X = (I + L)^-1 by recursive doubling: X holds the inverses of the diagonal s-blocks; the
-    # lower-left s-block C of each 2s-block becomes -B^-1 C A^-1 = -(X C X) there.
-    b_X = tl.where(rows[:, None] == cols[None, :], 1.0, 0.0)
+    # lower-left s-block C of each 2s-block becomes -B^-1 C A^-1 = -(X C X) there.  The levels inside
+    # the diagonal BC-blocks run on all NC of them at once as [NC, BC, BC] products, straight from ``Akd``.
+    o_n = tl.arange(0, NC)
+    sub = tl.arange(0, BC)
+    r_d = (o_n * BC)[:, None] + sub[None, :]  # [NC, BC]: the chunk row of each block row
+    m_d = (t0 + r_d) < eos
+    b_bd = tl.load(beta + (t0 + r_d) * H + i_h, mask=m_d, other=0.0).to(tl.float32)
+    b_Ld = tl.load(Akd + ((t0 + r_d) * H + i_h)[:, :, None] * BC + sub[None, None, :],
+                   mask=m_d[:, :, None] & (sub[:, None] > sub[None, :])[None, :, :], other=0.0) * b_bd[:, :, None]
+    b_Xd = tl.where((sub[:, None] == sub[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NC, BC, BC], dtype=tl.float32)
     s = 1
-    for _ in range(LOG2_BT):
+    for _ in range(LOG2_BC):
+        in_pair = (sub[:, None] // (2 * s)) == (sub[None, :] // (2 * s))
+        off_diag = (sub[:, None] // s) != (sub[None, :] // s)
+        b_C = tl.where((in_pair & off_diag)[None, :, :], b_Ld, 0.0)
+        b_XC = tl.dot(b_Xd, b_C, input_precision=INV_PRECISION)
+        b_Xd = b_Xd - tl.dot(b_XC, b_Xd, input_precision=INV_PRECISION)
+        s = s * 2
+    same = (o_n[:, None] == o_n[None, :])[:, None, :, None]  # [NC, 1, NC, 1]: block row == block column
+    b_X = tl.reshape(tl.where(same, b_Xd[:, :, None, :], 0.0), [BT, BT])
+    for _ in range(LOG2_BT - LOG2_BC):
         in_pair = (rows[:, None] // (2 * s)) == (cols[None, :] // (2 * s))
         off_diag = (rows[:, None] // s) != (cols[None, :] // s)
         b_C = tl.where(in_pair & off_diag, b_L, 0.0)
@@ -205,15 +229,17 @@ def _kda_solve_kernel(
         b_X = b_X - tl.dot(b_XC, b_X, input_precision=INV_PRECISION)
         s = s * 2
     b_T = b_X * b_b[None, :]  # the UT transform T = (I + L)^-1 Diag(b)
+    if LOWP:
+        b_T = b_T.to(tl.bfloat16)  # what its products take, converted once
 
-    b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
-    b_kg = tl.where(m_tk, b_k * tl.exp(b_gc), 0.0)
-    tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION).to(w.dtype.element_ty), mask=m_tk)
-    t_last = tl.minimum(t0 + BT, eos) - 1
-    g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=o_k < K, other=0.0)
-    b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
-    tl.store(kd + off_tk, b_kd.to(kd.dtype.element_ty), mask=m_tk)
+    tl.debug_barrier()  # pass 1's k exp(G) in ``w``, written by other threads of this program
+    for i_k in range(0, (K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        b_kg = tl.load(w + off_tk, mask=m_tk, other=0.0)
+        tl.debug_barrier()  # every thread has read its part of the slice before any overwrites it
+        tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION).to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(0, (V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -224,7 +250,7 @@ def _kda_solve_kernel(
 
 @triton.jit
 def _kda_state_kernel(
-    kd, gc, w, u, v_new, h, h0, ht,
+    kd, glast, w, u, v_new, h, h0, ht,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -265,8 +291,7 @@ def _kda_state_kernel(
         b_vn = b_u - _dot(b_w, b_S, LOWP, DOT_PRECISION)
         tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
 
-        t_last = tl.minimum(t0 + BT, eos) - 1
-        g_last = tl.load(gc + (t_last * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        g_last = tl.load(glast + ((c0 + i_c) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # G at the chunk's end
         b_kd = tl.load(kd + off_tk, mask=m_tk, other=0.0)  # k exp(G_last - G), zero past the end
         b_S = b_S * tl.exp(g_last)[:, None] + _dot(tl.trans(b_kd), b_vn, LOWP, DOT_PRECISION)
 
@@ -276,9 +301,8 @@ def _kda_state_kernel(
 
 @triton.jit
 def _kda_output_kernel(
-    q, gc, Pqk, v_new, h, o,
+    qg, Pqk, v_new, h, o,
     cu_seqlens, chunk_seq, chunk_pos,
-    scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -299,9 +323,7 @@ def _kda_output_kernel(
     off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
 
-    b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_gc = tl.load(gc + off_tk, mask=m_tk, other=0.0)
-    b_qg = b_q * tl.exp(b_gc) * scale
+    b_qg = tl.load(qg + off_tk, mask=m_tk, other=0.0)  # scale q exp(G)
     b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :],
@@ -379,7 +401,7 @@ def chunk_kda_fwd(
     chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The three launches of :func:`chunk_kda` on validated inputs and prepared chunk indices.
+    """The launches of :func:`chunk_kda` on validated inputs and prepared chunk indices.
 
     No host synchronisation happens here, so a CUDA graph can capture it.
     """
@@ -403,25 +425,34 @@ def chunk_kda_fwd(
     chunk_seq, chunk_pos, chunk_offsets = chunks
     NT = chunk_seq.numel()
     f32 = dict(dtype=torch.float32, device=q.device)
-    gc = alloc(B, T, H, K, **f32)
-    mid = dict(dtype=q.dtype if lowp else torch.float32, device=q.device)  # w, u, kd: what the products take
+    mid = dict(dtype=q.dtype if lowp else torch.float32, device=q.device)  # what the products take
+    BC = 16  # the diagonal blocks: 16 x 16, NC of them per chunk
+    NC = BT // BC
+    Akd = alloc(B, T, H, BC, **f32)  # the diagonal blocks of L (fp32: the inverse's input)
+    Pqk = alloc(B, T, H, BT, **mid)  # P: only j <= i is written
+    if not interpreting() if DIAG_BY_TOKEN is None else DIAG_BY_TOKEN:
+        BH = min(block_size(H, 1), LAUNCH["diag_heads"])
+        _kda_diag_token_kernel[(NT, BT, triton.cdiv(H, BH))](
+            q, k, g, Akd, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
+            H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, num_warps=LAUNCH["diag_warps"],
+        )
+    else:
+        _kda_diag_block_kernel[(NT, NC, H)](
+            q, k, g, Akd, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
+        )
     w = alloc(B, T, H, K, **mid)
     u = alloc(B, T, H, V, **mid)
     kd = alloc(B, T, H, K, **mid)
-    Akk = alloc(B, T, H, BT, **f32)
-    Pqk = alloc(B, T, H, BT, **f32)
-    BC = 16  # the intra kernel's blocks: 16 x 16, NC (NC + 1) / 2 of them per chunk
-    NC = BT // BC
-    _kda_cumsum_kernel[(NT, H)](g, gc, cu_seqlens, chunk_seq, chunk_pos, H=H, K=K, BT=BT, BK=BK)
-    _kda_intra_block_kernel[(NT, NC * (NC + 1) // 2, H)](
-        q, k, gc, Akk, Pqk, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, BT=BT, BC=BC, BK=BK, NC=NC, LOWP=lowp, DOT_PRECISION=precision,
-        BY_COLUMN=not interpreting() if DIAG_BY_COLUMN is None else DIAG_BY_COLUMN, num_warps=4,
-    )
+    qg = alloc(B, T, H, K, **mid)
+    glast = alloc(NT, H, K, **f32)
+    # the solve's key slices: 16-bit products on 32-wide slices came out wrong on an H200 with Triton 3.6
+    # (and read out of bounds), as the small heads' tiles did: 16-bit inputs take at least 64
+    BKS = max(min(BK, LAUNCH["solve_keys"]), 64 if lowp else 16)
     _kda_solve_kernel[(NT, H)](
-        k, v, beta, gc, Akk, w, u, kd, cu_seqlens, chunk_seq, chunk_pos,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, LOG2_BT=BT.bit_length() - 1,
-        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision, num_warps=4,
+        q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
+        H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BV, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
+        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
+        num_warps=LAUNCH["solve_warps"],
     )
     h = alloc(NT, H, K, V, **mid)  # per-chunk entering states and corrected values: read by
     v_new = alloc(B, T, H, V, **mid)  # the output kernel's products only (16-bit for 16-bit inputs)
@@ -433,7 +464,7 @@ def chunk_kda_fwd(
     # 2 / 3 / 4 stages; BV=32 and 4 warps stay the fastest (bench/RESULTS.md, 2026-12-03).  fp32 operands
     # take two: three stages of their tiles (72 KB each at K=128) would not fit the shared memory
     _kda_state_kernel[(NV, n_seq, H)](
-        kd, gc, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
+        kd, glast, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=3 if lowp else 2,
@@ -441,7 +472,7 @@ def chunk_kda_fwd(
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
     _kda_output_kernel[(triton.cdiv(V, BVO), NT, H)](
-        q, gc, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos, scale,
+        qg, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, LOWP=lowp, DOT_PRECISION=precision, num_warps=8 if lowp else 4,
     )
     return o, ht
