@@ -98,7 +98,8 @@ def _kda_diag_token_kernel(
             b_P = tl.sum(b_q * b_kgj, axis=1) * scale
             b_L = tl.sum(b_k * b_kgj, axis=1)
             tl.store(Pqk + (t * H + o_h) * BT + (i_r - n), b_P.to(Pqk.dtype.element_ty), mask=m_h)
-            tl.store(Akd + (t * H + o_h) * BC + (i_s - n), b_L, mask=m_h & (n > 0))
+            # (a tensor mask: the interpreter of older Tritons refuses a scalar condition in one)
+            tl.store(Akd + (t * H + o_h) * BC + (i_s - n), b_L, mask=m_h & ((n + 0 * o_h) > 0))
 
 
 @triton.jit
