@@ -52,7 +52,19 @@ def kind(name: str) -> str:
     return "other"
 
 
-def profile(preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
+def bench_model(preset: str):
+    """The preset in bf16 on the GPU with the engine's defaults there (the fused kernels): built once and
+    shared by every engine below, as the engine benchmark does (a build of the bench preset takes ~22 s)."""
+    import torch
+
+    from target_stack.model.model import HybridModel
+
+    model = HybridModel(preset).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.set_fused_kernels(True)
+    return model
+
+
+def profile(model, preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -60,10 +72,7 @@ def profile(preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
     from bench.decode_ops import static_step_inputs
     from target_stack.bench.timing import graph_time
     from target_stack.engine import LLMEngine, SamplingParams
-    from target_stack.model.model import HybridModel
 
-    model = HybridModel(preset).to(device="cuda", dtype=torch.bfloat16).eval()
-    model.set_fused_kernels(True)  # the engine's defaults on a GPU
     engine = LLMEngine(model, cuda_graphs=False, num_pages=2048, num_slots=batch + 1, max_batch=batch,
                        max_model_len=prompt_len + 64)
     gen = torch.Generator().manual_seed(batch)
@@ -106,7 +115,7 @@ def profile(preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
             "by_kind_us": dict(by_kind), "kernels": rows}
 
 
-def host_profile(preset: str, batch: int, steps: int, top: int, prompt_len: int = 256) -> dict:
+def host_profile(model, batch: int, steps: int, top: int, prompt_len: int = 256) -> dict:
     """The engine's whole step with CUDA graphs: median wall per step, and cProfile's top functions."""
     import cProfile
     import pstats
@@ -115,10 +124,7 @@ def host_profile(preset: str, batch: int, steps: int, top: int, prompt_len: int 
     import torch
 
     from target_stack.engine import LLMEngine, SamplingParams
-    from target_stack.model.model import HybridModel
 
-    model = HybridModel(preset).to(device="cuda", dtype=torch.bfloat16).eval()
-    model.set_fused_kernels(True)
     engine = LLMEngine(model, cuda_graphs=True, num_pages=2048, num_slots=batch + 1, max_batch=batch,
                        max_model_len=prompt_len + 2 * steps + 32)
     gen = torch.Generator().manual_seed(batch)
@@ -167,8 +173,9 @@ def main() -> int:
     copy_bw = copy_bandwidth()
     result = {"date": _dt.datetime.now(_dt.UTC).isoformat(timespec="minutes"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "copy_TBps": copy_bw / 1e12, "runs": []}
+    model = bench_model(args.preset)
     for batch in args.batch:
-        run = profile(args.preset, batch, args.steps)
+        run = profile(model, args.preset, batch, args.steps)
         result["runs"].append(run)
         print(f"\n{args.preset} bf16, batch {batch}: graph-replayed step {run['graph_us']:.0f} us; its kernels "
               f"{run['device_busy_us']:.0f} us of device time in {run['launches_per_step']:.0f} launches (eager wall "
@@ -179,7 +186,7 @@ def main() -> int:
         for r in run["kernels"][:args.top]:
             print(f"  {r['us_per_step']:8.1f} {r['share']:6.1%} {r['launches_per_step']:8.1f}  {r['kernel'][:110]}")
     for batch in args.batch:
-        host = host_profile(args.preset, batch, args.steps, args.top)
+        host = host_profile(model, batch, args.steps, args.top)
         result.setdefault("host", []).append(host)
         graph = next(r["graph_us"] for r in result["runs"] if r["batch"] == batch)
         print(f"\n{args.preset} bf16, batch {batch}: LLMEngine.step {host['step_wall_us']:.0f} us (median of "
