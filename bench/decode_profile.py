@@ -66,11 +66,9 @@ def bench_model(preset: str):
 
 def profile(model, preset: str, batch: int, steps: int, prompt_len: int = 256) -> dict:
     import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
 
     from bench.decode_ops import static_step_inputs
-    from target_stack.bench.timing import graph_time
+    from target_stack.bench.timing import graph_time, kernel_times
     from target_stack.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, cuda_graphs=False, num_pages=2048, num_slots=batch + 1, max_batch=batch,
@@ -92,18 +90,9 @@ def profile(model, preset: str, batch: int, steps: int, prompt_len: int = 256) -
         torch.cuda.synchronize()
         graph_us = graph_time([step]) * 1e6
         t0 = time.perf_counter()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
+        per_kernel = kernel_times(step, steps)
         eager = (time.perf_counter() - t0) / steps
-    per_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            slot = per_kernel[ev.name]
-            slot[0] += ev.device_time_total
-            slot[1] += 1
-    rows = sorted(({"kernel": name, "kind": kind(name), "us_per_step": us / steps, "launches_per_step": n / steps}
+    rows = sorted(({"kernel": name, "kind": kind(name), "us_per_step": us, "launches_per_step": n}
                    for name, (us, n) in per_kernel.items()), key=lambda r: -r["us_per_step"])
     busy = sum(r["us_per_step"] for r in rows)
     by_kind: dict[str, float] = collections.Counter()

@@ -19,26 +19,10 @@ import torch
 from triton.testing import do_bench
 
 import target_stack.ops.kda.chunk as C
+from target_stack.bench.timing import kernel_times
 from target_stack.ops.kda import fused_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import check_kda_inputs
-
-
-def kernel_times(fn, n=20) -> dict[str, float]:
-    """Each CUDA kernel's device time per call of ``fn`` (torch.profiler over ``n`` calls), in us."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            times[e.name] = times.get(e.name, 0.0) + e.device_time / n
-    return times
 
 
 def prefill(T=4096, H=16, K=128, V=128):
@@ -57,7 +41,8 @@ def prefill(T=4096, H=16, K=128, V=128):
         best = min(best or (t, dict(C.LAUNCH)), (t, dict(C.LAUNCH)), key=lambda x: x[0])
     print(f"best {best[1]}: {best[0]:.1f} us (the default {default})")
     C.LAUNCH.update(best[1])
-    for name, us in sorted(kernel_times(call).items(), key=lambda x: -x[1]):
+    call()
+    for name, (us, _) in sorted(kernel_times(call).items(), key=lambda x: -x[1][0]):
         print(f"  {name}: {us:8.1f} us")
     C.LAUNCH.update(default)
 

@@ -81,6 +81,24 @@ def eager_time(fn: Callable[[], object], iters: int = 200, reps: int = 7) -> flo
     return statistics.median(times)
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 20) -> dict[str, tuple[float, float]]:
+    """Each CUDA kernel's device time (us) and launches per call of ``fn``: torch.profiler over ``calls``
+    calls, already warm (the caller compiles and warms first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            slot = total.setdefault(ev.name, [0.0, 0])
+            slot[0] += ev.device_time_total
+            slot[1] += 1
+    return {name: (us / calls, n / calls) for name, (us, n) in total.items()}
+
+
 def rotations(bytes_per_set: int, l2_multiple: float = 4.0, cap: int = 64) -> int:
     """How many distinct input sets make one replay stream ``l2_multiple`` x L2 from memory."""
     return max(2, min(cap, -(-int(l2_multiple * L2_BYTES) // max(1, bytes_per_set))))
