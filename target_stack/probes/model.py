@@ -535,42 +535,117 @@ def _check_backend(ctx: ProbeContext, chk: Checker, draw: Draw, backend: str, fi
         chk.compare([rec.k, rec.v, rec.g, rec.beta], [t[:, split:] for t in inputs_ref[1:]],
                     "tail k, v, g, beta", **where)
         chk.compare(rec.conv, full_ref[:, split:], "tail convolution inputs", **where)
-    _check_pooled(ctx, chk, layer, x, split, decode_file, cond)
+    # the pooled step as the engine runs it: the torch inputs and tail shift (kda_layer.py) around the backend's
+    # recurrence; on the kernels' path then the one-launch decode inputs alone, and the whole fused step
+    _check_pooled(ctx, chk, layer, x, split, cond, output=decode_file, tails=KDA_LAYER)
+    if kernels:
+        failed = ctx.failed
+        _check_decode_inputs(ctx, chk, layer, x, split, cond)
+        _check_gated_norm(ctx, chk, draw, layer, cond)
+        if ctx.failed == failed:  # right inputs, recurrence and norm: what is left of the fused step is its wiring
+            layer.fused = True
+            try:
+                _check_pooled(ctx, chk, layer, x, split, cond, output=KDA_LAYER, state=decode_file,
+                              tails=DECODE_INPUTS, symbol="KDALayer.decode_pooled / _output (fused kernels)")
+            finally:
+                layer.fused = False
 
 
-def _check_pooled(ctx: ProbeContext, chk: Checker, layer, x: torch.Tensor, split: int, file: str, cond: str) -> None:
-    """One pooled decode step at token ``split``: rows in slots (2, 0 = padding, 1), states seeded
-    from the float64 run; outputs and the written slots against it, the null slot left zero."""
+def _pooled_setup(layer, x: torch.Tensor, split: int):
+    """Pools for a pooled step at token ``split``: batch rows in slots (2, 0 = padding, 1), seeded with the
+    float64 run's states and convolution tails there.  (slots, rows, kda_pool, conv_pool, float64 tails)."""
     dev = x.device
     B = x.shape[0]
     C = layer.w_qkv.shape[0]
     slots = torch.tensor([2, 0, 1][:max(2, B + 1)], device=dev)
     rows = [0, 2][:B]  # batch rows at slots 2 and 1; row 1 is padding
-    xs = torch.zeros(len(slots), 1, x.shape[-1], device=dev)
-    xs[1] = x[0, split] * 0.5 + 1.0  # the padding row has its own (nonzero) input
     kda_pool = torch.zeros(4, layer.H, layer.K, layer.V, device=dev)
     conv_pool = torch.zeros(4, 3, C, device=dev)
-    states = []
+    tails = []
     for i, r in enumerate(rows):
-        xs[r] = x[i, split]
         _, s, full, _ = ref.kda_layer(layer, f64(x[i:i + 1, :split]))
         kda_pool[slots[r]] = s[0].to(dev, torch.float32)
         conv_pool[slots[r]] = full[0, -3:].to(dev, torch.float32)
-        y, s2, full2, _ = ref.kda_layer(layer, f64(x[i:i + 1, split:split + 1]), h0=s, conv_hist=full[:, -3:])
+        tails.append((s, full[:, -3:]))
+    return slots, rows, kda_pool, conv_pool, tails
+
+
+def _step_rows(x: torch.Tensor, t: int, slots: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """[slots, 1, dim]: token ``t`` of each batch row at its place; the padding row has its own (nonzero) input."""
+    xs = torch.zeros(len(slots), 1, x.shape[-1], device=x.device)
+    xs[1] = x[0, t] * 0.5 + 1.0
+    for i, r in enumerate(rows):
+        xs[r] = x[i, t]
+    return xs
+
+
+def _check_decode_inputs(ctx: ProbeContext, chk: Checker, layer, x: torch.Tensor, split: int, cond: str,
+                         steps: int = 3) -> None:
+    """The one-launch decode inputs (``kda_decode_inputs``: the convolution over the pooled tails, SiLU, q/k
+    L2 norms, gates, the tails shifted in place) over a few consecutive steps, rows in slots (2, 0 = padding, 1),
+    against the float64 definition on the same tails; the null slot reads zeros and is never written."""
+    import torch.nn.functional as F
+
+    from target_stack.ops.kda.decode_inputs import kda_decode_inputs
+
+    slots, rows, _, conv_pool, tails = _pooled_setup(layer, x, split)
+    hist = {r: conv for r, (_, conv) in zip(rows, tails)}
+    for step in range(min(steps, x.shape[1] - split)):
+        where = dict(file=DECODE_INPUTS, symbol="kda_decode_inputs",
+                     condition=f"{cond}, slots {slots.tolist()}, decode step {step + 1} after {split}")
+        xs = _step_rows(x, split + step, slots, rows)
+        with chk.guard(**where), torch.no_grad():
+            got = kda_decode_inputs(F.linear(xs, layer.w_qkv), F.linear(xs, layer.w_f), F.linear(xs, layer.w_b),
+                                    conv_pool, slots, layer.conv, layer.dt_bias, layer.A_log, layer.H, layer.K,
+                                    layer.V)
+            for r in rows:
+                want, full = ref.kda_inputs(layer, f64(xs[r:r + 1]), hist[r])
+                hist[r] = full[:, -3:]
+                slot = int(slots[r])
+                chk.compare([t[r:r + 1] for t in got], list(want), f"q, k, v, g, beta of the row in slot {slot}",
+                            **where)
+                chk.compare(conv_pool[slot], hist[r][0], f"convolution tail of slot {slot} after the shift", **where)
+            chk.compare([t[1:2] for t in got], list(ref.kda_inputs(layer, f64(xs[1:2]))[0]),
+                        "inputs of the padding row (slot 0 must read zero tails)", **where)
+            ctx.check(not conv_pool[0].any(), "the null slot 0 was written", **where)
+
+
+def _check_gated_norm(ctx: ProbeContext, chk: Checker, draw: Draw, layer, cond: str) -> None:
+    """The one-launch RMSNorm with the output gate (the fused decode step's output norm) against its definition."""
+    from target_stack.ops.norm import rms_norm
+
+    o, gate = draw.randn(2, 3, layer.H, layer.V), draw.randn(2, 3, layer.H, layer.V) * 2.0
+    where = dict(file=NORM, symbol="rms_norm (gate)", condition=f"{cond}, o and gate [2, 3, {layer.H}, {layer.V}]")
+    with chk.guard(**where), torch.no_grad():
+        chk.compare(rms_norm(o, layer.norm_w, ref.EPS, gate=gate, out_dtype=o.dtype),
+                    ref.rmsnorm(f64(o), f64(layer.norm_w), ref.EPS) * ref.sigmoid(f64(gate)), "gated RMSNorm", **where)
+
+
+def _check_pooled(ctx: ProbeContext, chk: Checker, layer, x: torch.Tensor, split: int, cond: str, *, output: str,
+                  tails: str, state: str | None = None, symbol: str = "KDALayer.decode_pooled") -> None:
+    """One pooled decode step at token ``split``: rows in slots (2, 0 = padding, 1), states seeded
+    from the float64 run; outputs and the written slots against it, the null slot left zero.  Failures
+    of the outputs are blamed on ``output``, of the states on ``state`` (default: ``output``), of the
+    convolution tails on ``tails``."""
+    slots, rows, kda_pool, conv_pool, seeded = _pooled_setup(layer, x, split)
+    xs = _step_rows(x, split, slots, rows)
+    states = []
+    for i, (s, conv) in enumerate(seeded):
+        y, s2, full2, _ = ref.kda_layer(layer, f64(x[i:i + 1, split:split + 1]), h0=s, conv_hist=conv)
         states.append((y, s2, full2))
     pad_ref = ref.kda_layer(layer, f64(xs[1:2]))[0]
-    where = dict(file=file, symbol="KDALayer.decode_pooled", condition=f"{cond}, slots {slots.tolist()}")
-    # on the kernels' path the tails are shifted by the fused decode-input kernel alone
-    tails = dict(where, file=DECODE_INPUTS, symbol="kda_decode_inputs") if file == RECURRENT else where
+    where = dict(file=output, symbol=symbol, condition=f"{cond}, slots {slots.tolist()}")
+    states_at, tails = dict(where, file=state or output), dict(where, file=tails)
     with chk.guard(**where), torch.no_grad():
         out = layer.decode_pooled(xs, conv_pool, kda_pool, slots)
         for r, (y, s2, full2) in zip(rows, states):
             chk.compare(out[r:r + 1], y, f"output of the row in slot {int(slots[r])}", **where)
-            chk.compare(kda_pool[slots[r]], s2[0], f"KDA state written to slot {int(slots[r])}", **where)
+            chk.compare(kda_pool[slots[r]], s2[0], f"KDA state written to slot {int(slots[r])}", **states_at)
             chk.compare(conv_pool[slots[r]], full2[0, -3:], f"convolution tail of slot {int(slots[r])}",
                         **tails)
         chk.compare(out[1:2], pad_ref, "padding row (slot 0 must read zeros)", **where)
-        ctx.check(not kda_pool[0].any() and not conv_pool[0].any(), "the null slot 0 was written", **where)
+        ctx.check(not kda_pool[0].any(), "the null slot 0's KDA state was written", **states_at)
+        ctx.check(not conv_pool[0].any(), "the null slot 0's convolution tail was written", **tails)
 
 
 # -- the image path and the whole model --------------------------------------------------------------

@@ -19,7 +19,7 @@ import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import rel_err
 from feedback.probe import ProbeContext, probe
 from target_stack.probes import reference as ref
-from target_stack.probes.reference import Checker, Draw, f64, isolated
+from target_stack.probes.reference import Checker, Draw, f64, isolated, raised_message
 
 SAMPLER = "target_stack/engine/sampler.py"
 RUNNER = "target_stack/engine/runner.py"
@@ -29,6 +29,8 @@ ENGINE = "target_stack/engine/engine.py"
 TP = "target_stack/engine/tp.py"
 DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
 DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
+DISAGG_MESSAGES = "target_stack/engine/disagg/messages.py"
+DISAGG_CLUSTER = "target_stack/engine/disagg/cluster.py"
 MARGIN = 1e-4  # as in the model probes: discrete choices closer than this are drawn again
 
 torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
@@ -536,6 +538,56 @@ def _colocated_tokens(seed: int, device: str, requests: list, sizes: dict) -> li
 
 
 @probe(kind="correctness")
+def _check_messages(ctx: ProbeContext) -> None:
+    """The wire protocol survives the process boundary: every message record of ``disagg.messages`` comes
+    back from a multiprocessing queue equal and of its type, and ``STOP`` comes back as itself (the workers
+    test it by identity)."""
+    import dataclasses
+    import multiprocessing as mp
+    import pickle
+    import queue as queue_mod
+
+    from target_stack.engine.disagg import messages
+
+    samples = {"int": 3, "float": 1.5, "str": "x", "bool": True, "list[int]": [4, 5], "str | None": "why",
+               "Timing": messages.Timing(1.0, 2.0, 3.0, 4.0, 5.0, 6.0)}
+    q = mp.get_context("spawn").Queue()
+    where = dict(file=DISAGG_MESSAGES, symbol="the disaggregated wire protocol")
+    try:
+        records = [c for c in vars(messages).values()
+                   if dataclasses.is_dataclass(c) and isinstance(c, type) and c.__module__ == messages.__name__]
+        for cls in records:
+            kwargs = {f.name: samples.get(str(f.type), {"field": f.name}) for f in dataclasses.fields(cls)}
+            msg = cls(**kwargs)
+            pickle.dumps(msg)  # what the queue's feeder thread does, here where its error can be caught
+            q.put(msg)
+            got = q.get(timeout=10)
+            ctx.check(type(got) is cls and got == msg, f"{cls.__name__} comes back from a queue as {got!r}",
+                      **where, condition=f"{cls.__name__} through a multiprocessing queue")
+        q.put(messages.STOP)
+        got = q.get(timeout=10)
+        ctx.check(got is messages.STOP, f"STOP comes back from a queue as {got!r}, which is not STOP: a worker "
+                  "testing `is STOP` never stops", **where, condition="STOP through a multiprocessing queue")
+    except (queue_mod.Empty, pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+        ctx.fail(f"the messages cannot make the trip through a queue: {raised_message(exc)}", **where)
+    finally:
+        q.close()
+        q.join_thread()
+
+
+def _check_shutdown(ctx: ProbeContext, workers, stats: dict) -> None:
+    """``close`` stops every worker cleanly: each reports its pool accounting (nothing leaked) and exits 0."""
+    where = dict(file=DISAGG_WORKERS, symbol="the workers' shutdown (STOP, Stats) / DisaggCluster.close",
+                 condition="after the runs")
+    want = {"prefill"} | ({"decode"} if workers.transfer else set())
+    ctx.check(want <= set(stats), f"close() got no accounting from {sorted(want - set(stats))}", **where)
+    for name, acct in stats.items():
+        ctx.check(not acct.get("leaked_pages") and not acct.get("leaked_slots"),
+                  f"the {name} worker stopped holding {acct}", **where)
+    codes = {n: proc.exitcode for n, proc in workers.procs.items()}
+    ctx.check(all(c == 0 for c in codes.values()), f"workers did not exit cleanly: exit codes {codes}", **where)
+
+
 def disagg(ctx: ProbeContext) -> None:
     """The KV transfer's copy in every mode against its definition, then greedy outputs of the
     disaggregated cluster (encode, prefill with the native MoE and the layer-split KV transfer,
@@ -552,6 +604,7 @@ def disagg(ctx: ProbeContext) -> None:
     p = ctx.params
     draw = Draw(ctx.device)
     _check_transfer(ctx, draw, p.get("stages", 2))
+    _check_messages(ctx)
     seed = int(draw.randint(2**31 - 1, (1,)))
     cfg = dataclasses.replace(PRESETS["tiny"], seed=seed)
     model = HybridModel(cfg)  # the workers build the same weights from the same config
@@ -566,11 +619,26 @@ def disagg(ctx: ProbeContext) -> None:
     result = None
     sizes = dict(stages=p.get("stages", 2), page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 64),
                  max_model_len=p.get("max_model_len", 256))
+    timeout = p.get("timeout_s", 60)
     with Checker(ctx, 0).guard(**where), DisaggCluster({"preset": "tiny", "seed": seed, "device": device},
                                                        **sizes) as workers:
-        result = workers.run(requests, timeout_s=p.get("timeout_s", 60))
+        result = workers.run(requests, timeout_s=timeout)
+        # the same workers, this run stopped at the prefill: each request's first token and nothing more
+        short = workers.run(requests[:2], timeout_s=timeout, transfer=False)
+        _check_shutdown(ctx, workers, workers.close())
     if result is None:
         return
+    for r, (full, first) in enumerate(zip(result.outputs, short.outputs)):
+        where_short = dict(file=DISAGG_CLUSTER, symbol="DisaggCluster.run(transfer=False) / prefill_worker",
+                           condition=f"request {r} again, prefill only, on a transferring cluster")
+        if isinstance(first, Exception) or isinstance(full, Exception):
+            ctx.check(not isinstance(first, Exception), f"the prefill-only request failed: {first}", **where_short)
+            continue
+        ctx.check(first.finish_reason == "prefill" and len(first.tokens) == 1,
+                  f"a prefill-only request ended {first.finish_reason!r} with {len(first.tokens)} tokens, not "
+                  "'prefill' with its first token", **where_short)
+        ctx.check(first.tokens[:1] == full.tokens[:1], f"the prefill-only first token {first.tokens[:1]} differs "
+                  f"from the same request's first token {full.tokens[:1]} in the full run", **where_short)
     # how far below the float64 maximum (in standard deviations of the logits) a token may be: the
     # workers run fp32 on a CPU, bf16 on a GPU; a token after a broken transfer is unrelated, ~2-3 below
     margin = float(p.get("token_margin", {}).get(device, 1e-3))

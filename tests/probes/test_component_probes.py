@@ -35,6 +35,11 @@ CP = "target_stack/ops/kda/cp.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
 ENGINE = "target_stack/engine/engine.py"
 KV_CACHE = "target_stack/engine/cache.py"
+DECODE_INPUTS = "target_stack/ops/kda/decode_inputs.py"
+NORM = "target_stack/ops/norm.py"
+MESSAGES = "target_stack/engine/disagg/messages.py"
+CLUSTER = "target_stack/engine/disagg/cluster.py"
+SERVE = "target_stack/serve.py"
 
 # name: (file, text, replacement)
 DEFECTS = {
@@ -95,6 +100,20 @@ DEFECTS = {
     "cancelled request stays queued": (
         ENGINE, "        self.scheduler.release(seq)\n        self.scheduler.remove_waiting(seq)",
         "        self.scheduler.release(seq)"),
+    # the GPU's decode path only, unless a probe turns the layer's fused kernels on
+    "decode-input tails shifted twice from the same slot": (
+        DECODE_INPUTS, "tl.store(pool + (slot * 3 + 1) * C + ch, t2, mask=live)",
+        "tl.store(pool + (slot * 3 + 1) * C + ch, t1, mask=live)"),
+    "gate of the fused norm not squashed": (
+        NORM, "out = out * tl.sigmoid(tl.load(gate + row * N + offs, mask=m, other=0.0).to(tl.float32))",
+        "out = out * tl.load(gate + row * N + offs, mask=m, other=0.0).to(tl.float32)"),
+    "sentinel that does not survive pickling": (MESSAGES, "STOP = None", "STOP = object()"),
+    "run's transfer flag ignored": (
+        CLUSTER, "req = Request(rid, list(prompt), params, timings[rid], transfer, image=image)",
+        "req = Request(rid, list(prompt), params, timings[rid], self.transfer, image=image)"),
+    "cached tokens counted as cache hits": (
+        SERVE, 'prefix.stats["reused_tokens"] - before if prefix else 0',
+        'prefix.stats["hits"] - before if prefix else 0'),
 }
 
 
@@ -258,3 +277,29 @@ def test_transfer_defects_are_caught_while_the_engine_passes(tmp_path):
     assert len(copies) == 3 and "kv." in copies["TransferEngine._copy_stage (copy='page')"]
     assert all("state." in m and "kv." not in m for s, m in copies.items() if "'page'" not in s)
     assert_passed(r, "engine.reference")
+
+
+def test_the_fused_decode_step_is_judged_on_the_cpu_and_each_kernel_blamed(tmp_path):
+    # the engine takes the one-launch decode inputs and the gated norm on a GPU only; the layer probe runs them
+    r = _judge(tmp_path, ["decode-input tails shifted twice from the same slot", "gate of the fused norm not squashed"],
+               ["model.kda_layer"])
+    res = r["model.kda_layer"]
+    assert_caught(res, (DECODE_INPUTS, "kda_decode_inputs"), (NORM, "rms_norm (gate)"))
+    tails = [f.location.condition for f in res.findings if f.location.file == DECODE_INPUTS]
+    assert any("decode step 1" in c for c in tails), tails  # the first shift is wrong already
+
+
+def test_the_endpoint_and_the_clusters_protocol_are_judged(tmp_path):
+    r = _judge(tmp_path, ["cached tokens counted as cache hits", "sentinel that does not survive pickling",
+                          "run's transfer flag ignored"], ["engine.http", "engine.disagg.correctness"])
+    assert_caught(r["engine.http"], (SERVE, "Server.complete"))
+    assert all("cached_tokens" in f.message for f in r["engine.http"].findings if "violates" not in f.message)
+    # the protocol's sentinel, then its consequence (workers that never stop); the prefill-only run
+    assert_caught(r["engine.disagg.correctness"], (MESSAGES, "wire protocol"), (WORKERS, "shutdown"),
+                  (CLUSTER, "DisaggCluster.run(transfer=False)"))
+
+
+def test_the_endpoint_probe_passes_on_the_clean_target(tmp_path):
+    r = _judge(tmp_path, [], ["engine.http"])
+    assert_passed(r, "engine.http")
+    assert r["engine.http"].metrics["calls"].value == 3
