@@ -51,6 +51,67 @@ def engine_correctness(ctx: ProbeContext) -> None:
                      file=RUNNER, symbol="ModelRunner.decode" if first else "ModelRunner.prefill",
                      condition=f"prompt length {len(prompt)}")
     ctx.metric("mismatched_requests", mismatches, better="lower")
+    _check_stop_tokens(ctx, model, prompts, max(n, 4), gen)
+
+
+def _steer(runner, forced: dict[int, dict[int, int]], banned: dict[int, int]) -> None:
+    """Wrap the runner's prefill and decode so that sequence ``id`` samples ``forced[id][step]`` at that step
+    (every other logit -inf) and never ``banned[id]``: the engine's handling of what it samples is judged,
+    whatever the model would have said."""
+    prefill_from, decode = runner.prefill_from, runner.decode
+
+    def steer(seq, row: torch.Tensor) -> torch.Tensor:
+        row = row.clone()
+        if seq.id in banned:
+            row[banned[seq.id]] = -torch.inf
+        token = forced.get(seq.id, {}).get(len(seq.output))
+        if token is not None:
+            row.fill_(-torch.inf)
+            row[token] = 0.0
+        return row
+
+    def steered_prefill(seq, *args, **kwargs):
+        logits, *rest = prefill_from(seq, *args, **kwargs)
+        return (steer(seq, logits), *rest)
+
+    def steered_decode(seqs, *args, **kwargs):
+        logits = decode(seqs, *args, **kwargs)
+        return torch.stack([steer(seq, row) for seq, row in zip(seqs, logits, strict=True)])
+
+    runner.prefill_from, runner.decode = steered_prefill, steered_decode
+
+
+def _check_stop_tokens(ctx: ProbeContext, model: HybridModel, prompts: list[list[int]], n: int,
+                       gen: torch.Generator) -> None:
+    """Stop tokens, in one batch: a request ends at the first token equal to its stop token, that token included,
+    with reason "stop"; a request whose stop token never comes runs to ``max_tokens`` ("length").  The runner's
+    logits are steered so that each stop token comes at a chosen step; the stop tokens are the vocabulary's first
+    and last ids and one inside it."""
+    vocab = model.cfg.vocab
+    inside = int(torch.randint(1, vocab - 1, (1,), generator=gen))
+    # (stop token, step at which it is sampled or None: never)
+    cases = [(0, 1), (vocab - 1, n - 2), (inside, 0), (inside, None)]
+    engine = LLMEngine(model, device=ctx.device)
+    ids = [engine.add_request(prompts[i % len(prompts)], SamplingParams(max_tokens=n, stop_token=stop))
+           for i, (stop, _) in enumerate(cases)]
+    forced = {rid: {at: stop} for rid, (stop, at) in zip(ids, cases, strict=True) if at is not None}
+    # banned at every other step, so each stop token comes exactly where it is forced, or never
+    _steer(engine.runner, forced, {rid: stop for rid, (stop, _) in zip(ids, cases, strict=True)})
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.id] = o
+    for rid, (stop, at) in zip(ids, cases, strict=True):
+        out = outs.get(rid)
+        want_len, want_reason = (at + 1, "stop") if at is not None else (n, "length")
+        cond = f"stop_token={stop} (vocab {vocab}), " + (f"sampled at step {at}" if at is not None else "never sampled")
+        where = dict(file=ENGINE, symbol="LLMEngine._append (stop tokens)", condition=cond)
+        if not ctx.check(out is not None, "the request never finished", **where):
+            continue
+        ctx.check(len(out.tokens) == want_len and out.finish_reason == want_reason
+                  and (at is None or out.tokens[-1] == stop),
+                  f"ended {out.finish_reason!r} after {len(out.tokens)} tokens {out.tokens}, not {want_reason!r} after "
+                  f"{want_len}", **where)
 
 
 @probe(kind="correctness")
@@ -99,6 +160,37 @@ def pool_accounting(ctx: ProbeContext) -> None:
     same = [outs[i].tokens == r.tokens for i, r in zip(ids, roomy, strict=True)]
     ctx.check(all(same), f"{same.count(False)} preempted request(s) resumed with different tokens",
               file="target_stack/engine/runner.py", symbol="ModelRunner.swap_in")
+    _check_swap_snapshot(ctx, model, prompts[0])
+
+
+def _check_swap_snapshot(ctx: ProbeContext, model: HybridModel, prompt: list[int]) -> None:
+    """What ``swap_out`` saves is a snapshot: the next holder of the sequence's slot and pages writing there before
+    it resumes changes nothing that ``swap_in`` gives back (the run above resumes only where no one did)."""
+    engine = LLMEngine(model, device=ctx.device)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
+    engine.step()  # the prefill
+    engine.step()  # a decode step
+    seq, runner = engine.seqs[rid], engine.runner
+    pages = torch.tensor(seq.pages, dtype=torch.long, device=ctx.device)
+    where = dict(file=RUNNER, symbol="ModelRunner.swap_out / swap_in",
+                 condition="the slot and pages written by their next holder before the resume")
+    before_kv = {(i, n): t[pages].clone() for i, c in runner.kv.items() for n, t in c.tensors().items()}
+    before_state = {(i, n): getattr(pool, n)[seq.slot].clone() for i, pool in runner.states.items()
+                    for n in ("kda", "conv")}
+    saved = runner.swap_out(seq)
+    for c in runner.kv.values():  # the next holder's own values
+        for t in c.tensors().values():
+            t[pages] = (torch.randn(t[pages].shape, device=t.device) * 3).to(t.dtype)
+    for pool in runner.states.values():
+        pool.kda[seq.slot].normal_()
+        pool.conv[seq.slot].normal_()
+    runner.swap_in(seq, saved)
+    changed = [f"KV {n} of layer {i}" for (i, n), t in before_kv.items()
+               if not torch.equal(runner.kv[i].tensors()[n][pages], t)]
+    changed += [f"{n} state of layer {i}" for (i, n), t in before_state.items()
+                if not torch.equal(getattr(runner.states[i], n)[seq.slot], t)]
+    ctx.check(not changed, f"after the swap, {len(changed)} part(s) came back as the next holder left them: "
+              f"{', '.join(changed[:4])}", **where)
 
 
 @probe(kind="correctness")

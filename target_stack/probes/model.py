@@ -499,6 +499,8 @@ def _check_backend(ctx: ProbeContext, chk: Checker, draw: Draw, backend: str, fi
     dim, H, K, V, B, T, split = (p[n] for n in ("dim", "heads", "head_k", "head_v", "batch", "T", "prefill"))
     prefill_file, decode_file = files
     kernels = prefill_file != KDA_LAYER
+    if backend == "torch":
+        _check_torch_chunk_form(ctx, chk, draw, H, K, V)
     layer = KDALayer(dim, H, K, V, draw.cpu, backend=backend)
     ref.randomize_norms(layer, draw.cpu)
     layer.to(dev)
@@ -549,6 +551,26 @@ def _check_backend(ctx: ProbeContext, chk: Checker, draw: Draw, backend: str, fi
                               tails=DECODE_INPUTS, symbol="KDALayer.decode_pooled / _output (fused kernels)")
             finally:
                 layer.fused = False
+
+
+def _check_torch_chunk_form(ctx: ProbeContext, chk: Checker, draw: Draw, H: int, K: int, V: int) -> None:
+    """The torch backend's chunked prefill (``naive_chunk_kda``: the CPU path of the layer) against the
+    token-by-token definition in float64: two sequences of three chunks, the last one ragged, from initial
+    states, so the state handed from chunk to chunk is judged, not only the first chunk's work."""
+    from target_stack.ops.kda import naive_chunk_kda, naive_recurrent_kda
+    from target_stack.ops.kda.testing import make_inputs
+
+    B, T = 2, 2 * 64 + 37
+    q, k, v, g, beta = make_inputs(B, T, H, K, V, device=ctx.device, generator=draw.cpu)
+    h0 = torch.randn(B, H, K, V, generator=draw.cpu).to(ctx.device)
+    where = dict(file="target_stack/ops/kda/naive.py", symbol="naive_chunk_kda",
+                 condition=f"B={B}, T={T} (chunks of 64, the last one ragged), H={H}, K={K}, V={V}, initial state")
+    with chk.guard(**where), torch.no_grad():
+        o, s = naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o_ref, s_ref = naive_recurrent_kda(*(f64(t) for t in (q, k, v, g, beta)), initial_state=f64(h0),
+                                           output_final_state=True)
+        chk.compare(o, o_ref, "chunked output", **where)
+        chk.compare(s, s_ref, "chunked final state", **where)
 
 
 def _pooled_setup(layer, x: torch.Tensor, split: int):

@@ -147,6 +147,14 @@ class _Watch:
                 self.fail("Scheduler.schedule", "shared", f"sequence {seq.id}'s shared head {shared} is not the "
                           "prefix cache's")
         if plan is not None:
+            # a prefix hit's shared head holds exactly its reused positions: a page more would take the sequence's
+            # own writes while the cache still serves it, a page less would leave reused positions unread
+            ps = self.engine.page_size
+            off = [(s.id, s.shared, s.reused) for s in plan.prefill if s.shared * ps != s.reused]
+            if off:
+                self.fail("PrefixCache.acquire", "head", "prefilled sequences' shared heads do not hold their reused "
+                          "positions: " + ", ".join(f"sequence {i}: {n} shared pages of {ps} for {r} reused positions"
+                                                    for i, n, r in off[:3]), file=PREFIX)
             short = [s.id for s in plan.decode if len(s.pages) < self.sched.pages_for(s.length)]
             if short:
                 self.fail("Scheduler.schedule", "room", f"decoding sequences {short} have no page for their newest "

@@ -40,6 +40,8 @@ NORM = "target_stack/ops/norm.py"
 MESSAGES = "target_stack/engine/disagg/messages.py"
 CLUSTER = "target_stack/engine/disagg/cluster.py"
 SERVE = "target_stack/serve.py"
+NAIVE = "target_stack/ops/kda/naive.py"
+PREFIX = "target_stack/engine/prefix.py"
 
 # name: (file, text, replacement)
 DEFECTS = {
@@ -111,6 +113,17 @@ DEFECTS = {
     "run's transfer flag ignored": (
         CLUSTER, "req = Request(rid, list(prompt), params, timings[rid], transfer, image=image)",
         "req = Request(rid, list(prompt), params, timings[rid], self.transfer, image=image)"),
+    "a stop token of 0 ignored": (
+        ENGINE, "if seq.params.stop_token is not None and token == seq.params.stop_token:",
+        "if seq.params.stop_token and token == seq.params.stop_token:"),
+    "swapped-out state kept as views of the pool": (
+        RUNNER, 'out["state"][i] = (pool.kda[seq.slot].to("cpu", copy=True), pool.conv[seq.slot].to("cpu", copy=True))',
+        'out["state"][i] = (pool.kda[seq.slot], pool.conv[seq.slot])'),
+    "prefix hit hands out a page too many": (
+        PREFIX, "pages = hit.entry.pages[: hit.length // self.page_size]",
+        "pages = hit.entry.pages[: hit.length // self.page_size + 1]"),
+    "torch chunk form decays the carried state the wrong way": (
+        NAIVE, "((G_last - G).exp() * kc)", "((G - G_last).exp() * kc)"),
     "cached tokens counted as cache hits": (
         SERVE, 'prefix.stats["reused_tokens"] - before if prefix else 0',
         'prefix.stats["hits"] - before if prefix else 0'),
@@ -303,3 +316,19 @@ def test_the_endpoint_probe_passes_on_the_clean_target(tmp_path):
     r = _judge(tmp_path, [], ["engine.http"])
     assert_passed(r, "engine.http")
     assert r["engine.http"].metrics["calls"].value == 3
+
+
+def test_stop_tokens_swap_snapshots_and_prefix_heads_are_judged(tmp_path):
+    r = _judge(tmp_path, ["a stop token of 0 ignored", "swapped-out state kept as views of the pool",
+                          "prefix hit hands out a page too many"],
+               ["engine.correctness", "engine.pool_accounting", "engine.scheduler"])
+    res = r["engine.correctness"]  # the runner's logits steered: token 0 comes, and the request runs on past it
+    assert_caught(res, (ENGINE, "stop tokens"))
+    assert all("stop_token=0 " in f.location.condition for f in res.findings if "violates" not in f.message)
+    assert_caught(r["engine.pool_accounting"], (RUNNER, "ModelRunner.swap_out"))
+    assert_caught(r["engine.scheduler"], (PREFIX, "PrefixCache.acquire"), only=False)
+
+
+def test_the_torch_chunk_form_is_blamed_for_its_own_defect(tmp_path):
+    r = _judge(tmp_path, ["torch chunk form decays the carried state the wrong way"], ["model.kda_layer"])
+    assert_caught(r["model.kda_layer"], (NAIVE, "naive_chunk_kda"), only=False)
