@@ -36,6 +36,17 @@ def _open(req: urllib.request.Request | str, timeout: float) -> tuple[int, dict]
         return e.code, json.loads(e.read() or b"{}")
 
 
+def _tokens(text: str) -> list[int]:
+    """The endpoint's tokenisation by its definition: the text's UTF-8 bytes, one token each."""
+    return list(text.encode("utf-8"))
+
+
+def _detokenise(tokens: list[int]) -> str:
+    """The text of generated tokens by the same definition: the byte tokens as UTF-8 (an undecodable byte
+    replaced), tokens past the bytes left out."""
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
 def _text(draw: Draw, n: int) -> str:
     """n random printable ASCII characters (one token each)."""
     return "".join(chr(32 + int(c)) for c in draw.randint(95, (n,)))
@@ -51,7 +62,7 @@ def completions(ctx: ProbeContext) -> None:
 
     from target_stack.engine import LLMEngine, SamplingParams
     from target_stack.model.model import PRESETS, HybridModel
-    from target_stack.serve import Server, decode, encode, make_handler
+    from target_stack.serve import Server, make_handler
 
     p = ctx.params
     draw = Draw(ctx.device)
@@ -84,7 +95,7 @@ def completions(ctx: ProbeContext) -> None:
             before = twin.prefix.stats["reused_tokens"]
             params = SamplingParams(max_tokens=n, temperature=body.get("temperature", 0.0),
                                     top_p=body.get("top_p", 1.0), seed=body.get("seed"))
-            want = twin.generate([list(x.encode("utf-8")) for x in prompts], params)
+            want = twin.generate([_tokens(x) for x in prompts], params)
             reused = twin.prefix.stats["reused_tokens"] - before
             try:
                 code, got = _post(base + "/v1/completions", json.dumps(body).encode(), timeout)
@@ -101,12 +112,12 @@ def completions(ctx: ProbeContext) -> None:
             for j, (c, w) in enumerate(zip(choices, want)):
                 if c.get("index") != j:
                     bad.append(f"choice {j} has index {c.get('index')}")
-                if c.get("text") != decode(w.tokens):
-                    bad.append(f"choice {j} text {c.get('text')!r}, not {decode(w.tokens)!r} (tokens {w.tokens})")
+                if c.get("text") != _detokenise(w.tokens):
+                    bad.append(f"choice {j} text {c.get('text')!r}, not {_detokenise(w.tokens)!r} (tokens {w.tokens})")
                 if c.get("finish_reason") != w.finish_reason:
                     bad.append(f"choice {j} finish_reason {c.get('finish_reason')!r}, not {w.finish_reason!r}")
             usage = got.get("usage", {})
-            n_in, n_out = sum(len(encode(x)) for x in prompts), sum(len(w.tokens) for w in want)
+            n_in, n_out = sum(len(_tokens(x)) for x in prompts), sum(len(w.tokens) for w in want)
             expect = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
             bad += [f"usage.{k} {usage.get(k)}, not {v}" for k, v in expect.items() if usage.get(k) != v]
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -26,6 +26,7 @@ DECODE_INPUTS = "target_stack/ops/kda/decode_inputs.py"
 SPARSE_DECODE = "target_stack/ops/sparse_decode.py"
 ROUTE = "target_stack/ops/moe/route.py"
 NORM = "target_stack/ops/norm.py"
+NAIVE = "target_stack/ops/kda/naive.py"
 SMALL_BATCH = "target_stack/ops/moe/small_batch.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
@@ -563,7 +564,7 @@ def _check_torch_chunk_form(ctx: ProbeContext, chk: Checker, draw: Draw, H: int,
     B, T = 2, 2 * 64 + 37
     q, k, v, g, beta = make_inputs(B, T, H, K, V, device=ctx.device, generator=draw.cpu)
     h0 = torch.randn(B, H, K, V, generator=draw.cpu).to(ctx.device)
-    where = dict(file="target_stack/ops/kda/naive.py", symbol="naive_chunk_kda",
+    where = dict(file=NAIVE, symbol="naive_chunk_kda",
                  condition=f"B={B}, T={T} (chunks of 64, the last one ragged), H={H}, K={K}, V={V}, initial state")
     with chk.guard(**where), torch.no_grad():
         o, s = naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
