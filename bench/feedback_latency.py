@@ -9,7 +9,9 @@ On a scratch git copy of the bundled target:
 1. after a one-line change to the CP merge kernel (committed), ``infra-agent feedback
    --changed-from HEAD~1``: wall time to the verdict, median of ``reps`` (each rep a different
    one-line change, so the candidate is never served from the cache; the baseline is);
-2. the same command again with nothing changed (everything cached), median of ``reps``;
+2. the same command again with nothing changed, median of ``reps``: answered from the memo of the last
+   run (``feedback/memo.py``), and with the memos removed first (every probe result from the cache, the
+   whole harness imported);
 3. the change-impact selection against running every probe on the same change, both cold
    (``--skip-all`` leaves it out: on a lent GPU machine every probe twice costs minutes).
 
@@ -43,13 +45,17 @@ MODES = {"warm": {}, "cold": {"INFRA_AGENT_FORKSERVER": "0"}}
 
 
 def feedback(tree: pathlib.Path, *args: str, mode: str = "warm") -> tuple[float, int, dict]:
+    """One ``infra-agent feedback --json`` through the console script's module: (seconds, exit code, report);
+    the report's ``"memo"`` key (added here) says whether a memo answered."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "feedback", "--target", str(tree), "--json", *args],
+    out = subprocess.run([sys.executable, "-m", "infra_agent", "feedback", "--target", str(tree), "--json", *args],
                          capture_output=True, text=True, env={**os.environ, **MODES[mode]})
     secs = time.perf_counter() - t0
     if out.returncode not in (0, 1):
         raise RuntimeError(out.stderr)
-    return secs, out.returncode, json.loads(out.stdout)
+    report = json.loads(out.stdout)
+    report["memo"] = "unchanged since" in out.stderr
+    return secs, out.returncode, report
 
 
 def _device() -> str:
@@ -96,14 +102,22 @@ def main() -> int:
                 secs, rc, rep = feedback(tree, "--changed-from", "HEAD~1", mode=mode)
                 verdicts[mode].append(secs)
                 probes = [r["probe"] for r in rep["results"]]
-        cached, all_cached = {}, {}
-        reruns = {m: [] for m in MODES}
+        from feedback.state import StateDir
+
+        memos = StateDir.for_target(tree).memos
+        all_cached, from_memo = {}, {}
+        reruns = {m: {"memo": [], "cache": []} for m in MODES}
         for _ in range(args.reps):
             for mode in MODES:
-                secs, _, rep_cached = feedback(tree, "--changed-from", "HEAD~1", mode=mode)
-                reruns[mode].append(secs)
-                all_cached[mode] = all_cached.get(mode, True) and all(r["cached"] for r in rep_cached["results"])
-        cached = {m: statistics.median(v) for m, v in reruns.items()}
+                for how in ("memo", "cache"):  # interleaved; removing the memos makes the full path run
+                    if how == "cache":
+                        shutil.rmtree(memos, ignore_errors=True)
+                    secs, _, rep_cached = feedback(tree, "--changed-from", "HEAD~1", mode=mode)
+                    reruns[mode][how].append(secs)
+                    key = f"{mode}/{how}"
+                    all_cached[key] = all_cached.get(key, True) and all(r["cached"] for r in rep_cached["results"])
+                    from_memo[key] = from_memo.get(key, True) and rep_cached["memo"]
+        cached = {m: {how: statistics.median(v) for how, v in r.items()} for m, r in reruns.items()}
 
         t_sel, t_all, n_sel, n_all = {}, {}, 0, 0
         if not args.skip_all:
@@ -120,7 +134,8 @@ def main() -> int:
             "device": _device(),
             "verdict_after_change_s": verdicts,
             "verdict_median_s": {m: statistics.median(v) for m, v in verdicts.items()},
-            "probes_selected": probes, "unchanged_rerun_s": cached, "unchanged_rerun_all_cached": all_cached,
+            "probes_selected": probes, "unchanged_rerun_s": cached, "unchanged_rerun_runs_s": reruns,
+            "unchanged_rerun_all_cached": all_cached, "unchanged_rerun_from_memo": from_memo,
             "selected_cold_s": t_sel, "all_probes_cold_s": t_all,
             "selected_over_all": {m: t_sel[m] / t_all[m] for m in t_all}, "n_selected": n_sel, "n_all": n_all,
         }
@@ -134,7 +149,9 @@ def main() -> int:
                   *(f"{med[m]:.1f} s" for m in MODES), "<= 5 s")
     table.add_row("  runs", *(", ".join(f"{v:.1f}" for v in verdicts[m]) for m in MODES), "")
     table.add_row(f"repeated run, nothing changed (median of {args.reps})",
-                  *(f"{cached[m]:.2f} s (all cached: {all_cached[m]})" for m in MODES), "<= 0.3 s")
+                  *(f"{cached[m]['memo']:.3f} s (memo: {from_memo[m + '/memo']})" for m in MODES), "<= 0.3 s")
+    table.add_row("  the same, memos removed: the full path, results from the cache",
+                  *(f"{cached[m]['cache']:.3f} s (all cached: {all_cached[m + '/cache']})" for m in MODES), "")
     if t_all:
         table.add_row(f"selected probes, no cache ({n_sel} probes, with the baseline)",
                       *(f"{t_sel[m]:.1f} s" for m in MODES), "")

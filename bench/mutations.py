@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no defect selected", file=sys.stderr)
         return 2
 
+    from feedback.machine import gpu_present
     from feedback.manifest import load_manifest
-    from feedback.runner import gpu_present
     from feedback.targets import materialize_bundled
 
     with tempfile.TemporaryDirectory(prefix="infra-agent-mutations-") as tmp:

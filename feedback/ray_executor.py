@@ -42,9 +42,9 @@ import tarfile
 import tempfile
 import threading
 
+from feedback.machine import driver_gpu_model
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import ProbeResult, Status
-from feedback.runner import driver_gpu_model
 from feedback.state import SKIP_PARTS
 from feedback.verdict import repeats_for
 

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import glob
 import hashlib
 import importlib.metadata as md
@@ -32,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from feedback import forkserver
+from feedback import forkserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
@@ -51,38 +50,11 @@ LIFELINE = [sys.executable, "-I", str(pathlib.Path(__file__).resolve().parent / 
 PYTEST_PLUGIN = str(pathlib.Path(__file__).resolve().parent / "pytest_plugin")
 
 
-def gpu_present() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return False
-    return pathlib.Path("/dev/nvidia0").exists() or pathlib.Path("/dev/nvidiactl").exists()
-
-
-def gpu_count() -> int:
-    """NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` respected), counted without importing torch."""
-    if not gpu_present():
-        return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
 def _version(dist: str) -> str | None:
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
-
-
-def driver_gpu_model(root: str = "/proc/driver/nvidia/gpus") -> str | None:
-    """The model of this machine's first NVIDIA GPU from the driver's own record (``Model:`` in
-    ``<root>/<bus id>/information``), without importing torch; None where the driver keeps none."""
-    for info in sorted(glob.glob(os.path.join(glob.escape(root), "*", "information"))):
-        with contextlib.suppress(OSError):
-            for line in pathlib.Path(info).read_text().splitlines():
-                if line.startswith("Model:") and line.split(":", 1)[1].strip():
-                    return line.split(":", 1)[1].strip()
-    return None
 
 
 def environment_key(emulate: bool) -> str:
@@ -95,9 +67,9 @@ def local_fingerprint(emulate: bool) -> Fingerprint:
     """This machine's :class:`Fingerprint` as a probe here would record it, read without importing torch."""
     return Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}",
                      torch=_version("torch"), triton=_version("triton"),
-                     device=(driver_gpu_model() or "gpu") if gpu_present() else "cpu",
-                     mode="native" if gpu_present() else "interpreter",
-                     emulation="truncate" if emulate and not gpu_present() else None)
+                     device=(machine.driver_gpu_model() or "gpu") if machine.gpu_present() else "cpu",
+                     mode="native" if machine.gpu_present() else "interpreter",
+                     emulation="truncate" if emulate and not machine.gpu_present() else None)
 
 
 def _tail(text: str | bytes | None) -> str:
@@ -249,7 +221,7 @@ class Runner:
         env[HARNESS_PID] = str(os.getpid())  # the probe dies with the harness (feedback/lifeline.py)
         if self.manifest.preload:  # what the warm probe server imports besides its own (feedback/forkserver.py)
             env[forkserver.PRELOAD_VAR] = ",".join(self.manifest.preload)
-        if not gpu_present():
+        if not machine.gpu_present():
             env["TRITON_INTERPRET"] = "1"
             if self.emulate:
                 env.setdefault("INFRA_AGENT_EMULATE_DOT", "1")
@@ -328,9 +300,9 @@ class Runner:
     def execute(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """Run the probe here (``repeats`` times for the performance kinds): (result, whether the probe
         itself reported it).  An executor elsewhere (``feedback/ray_executor.py``) calls this on its worker."""
-        if (spec.needs_gpu or spec.gpus) and not gpu_present():
+        if (spec.needs_gpu or spec.gpus) and not machine.gpu_present():
             return ProbeResult(probe=spec.id, status=Status.skipped, reason="needs a GPU; none on this machine"), True
-        if spec.gpus and (have := gpu_count()) < spec.gpus:
+        if spec.gpus and (have := machine.gpu_count()) < spec.gpus:
             return ProbeResult(probe=spec.id, status=Status.skipped,
                                reason=f"needs {spec.gpus} GPUs together; this machine has {have}"), True
         runs, reported = [], True

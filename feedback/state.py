@@ -10,6 +10,7 @@ it (or a path it gives) as an argument instead of joining folder names themselve
 
     .infra-agent/
       cache/                 probe results keyed by content (shared by sessions and the feedback command)
+      memos/                 whole reports of the feedback command, served while nothing they read changed
       workspaces/<session>/  a session: session.json, trajectory.jsonl, summary.json, worktrees/, repo/
       review.db              the review queue
       experiments/           the experiment records the sessions wrote
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-from dataclasses import dataclass
 
 NAME = ".infra-agent"
 #: path parts that walks over a target tree leave out (version control, our state, bytecode)
@@ -37,9 +37,26 @@ def state_home() -> pathlib.Path:
     return pathlib.Path(base).expanduser().resolve() / "infra-agent"
 
 
-@dataclass(frozen=True)
 class StateDir:
-    root: pathlib.Path
+    """One place's state folder.  A plain class rather than a dataclass: the console script's memo lookup
+    (feedback/memo.py) imports this module, and ``dataclasses`` costs it ``inspect``'s import."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str | os.PathLike):
+        object.__setattr__(self, "root", pathlib.Path(root))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a StateDir does not change: make another")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StateDir) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
+
+    def __repr__(self) -> str:
+        return f"StateDir({str(self.root)!r})"
 
     @classmethod
     def of(cls, base: str | os.PathLike | None = None) -> StateDir:
@@ -58,6 +75,10 @@ class StateDir:
     @property
     def cache(self) -> pathlib.Path:
         return self.root / "cache"
+
+    @property
+    def memos(self) -> pathlib.Path:
+        return self.root / "memos"
 
     @property
     def workspaces(self) -> pathlib.Path:

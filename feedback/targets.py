@@ -7,10 +7,10 @@ import io
 import os
 import pathlib
 import shutil
-import subprocess
 import tarfile
 import tempfile
 
+from feedback.changes import commit_of, git, repo_root
 from feedback.manifest import MANIFEST_NAME
 from feedback.state import NAME as STATE_NAME
 from feedback.state import StateDir
@@ -60,27 +60,6 @@ def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
         except OSError:  # another process won the race
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
-
-
-def git(cwd: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    """``git -C cwd ARGS``, its output as bytes.  Plain ``git`` rather than GitPython on the feedback path:
-    every ``feedback --changed-from`` asks what changed and exports its baseline."""
-    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True)
-
-
-def repo_root(path: pathlib.Path) -> pathlib.Path | None:
-    """The top of the git repository ``path`` is in, or None."""
-    try:
-        top = git(path, "rev-parse", "--show-toplevel")
-    except OSError:
-        return None
-    return pathlib.Path(top.stdout.decode().strip()).resolve() if top.returncode == 0 else None
-
-
-def commit_of(root: pathlib.Path, rev: str) -> str | None:
-    """The commit ``rev`` names in the repository at ``root``, or None."""
-    out = git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    return out.stdout.decode().strip() if out.returncode == 0 else None
 
 
 def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:

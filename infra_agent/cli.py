@@ -171,9 +171,10 @@ def feedback(
     """
     import pathlib
 
+    from feedback import memo
+    from feedback.changes import DiffError, changed_files
     from feedback.harness import UnknownProbe, export_baseline, judge
     from feedback.manifest import ManifestError, load_manifest, parse_manifest
-    from feedback.select import DiffError, changed_files
 
     if changed_from and diff:
         fail("--changed-from and --diff are alternatives: give one")
@@ -182,34 +183,72 @@ def feedback(
     root = _target_root(target)
     if manifest_file and not pathlib.Path(manifest_file).is_file():
         fail(f"--manifest {manifest_file}: no such file")
+    state = _state(target)
+    diff_text = pathlib.Path(diff).read_text(errors="replace") if diff else None
+    manifest_text = pathlib.Path(manifest_file).read_text() if manifest_file else None
+    # an unchanged re-run: the last fully cached run's report (feedback/memo.py)
+    request = (memo.Request(root, probes=probe, changed_from=changed_from, diff_text=diff_text, run_all=run_all,
+                            baseline=baseline, manifest_file=manifest_file, manifest_text=manifest_text)
+               if not no_cache and executor == "local" and not trace_dir else None)
+    if request is not None and (hit := memo.lookup(state.memos, request, state.cache)) is not None:
+        _print_report(hit.report, as_json)
+        err_console.print(memo.note(hit), style="dim", highlight=False)
+        raise typer.Exit(hit.code)
+    recorder = memo.Recorder(state.memos, request, state.cache) if request is not None else None
     try:
-        manifest = (parse_manifest(pathlib.Path(manifest_file).read_text(), manifest_file) if manifest_file
-                    else load_manifest(root))
-        changed = changed_files(root, since=changed_from,
-                                diff=pathlib.Path(diff).read_text(errors="replace") if diff else None)
+        manifest = parse_manifest(manifest_text, manifest_file) if manifest_file else load_manifest(root)
+        if recorder is not None:
+            recorder.extend(manifest.probe_roots())
+        changed = changed_files(root, since=changed_from, diff=diff_text)
         base_rev = baseline or changed_from
         keep = None
         base_tree = None
         if base_rev:  # kept by commit in the state folder: a repeated comparison exports nothing
-            base_tree, keep = export_baseline(root, base_rev, store=_state(target).baselines)
+            base_tree, keep = export_baseline(root, base_rev, store=state.baselines)
         extra_env = {"INFRA_AGENT_TRACE_DIR": str(pathlib.Path(trace_dir).resolve())} if trace_dir else None
+        options = dict(manifest=manifest, probe_ids=probe or None, changed=changed, run_all=run_all,
+                       baseline_tree=base_tree, baseline_label=base_rev, jobs=jobs, use_cache=not no_cache,
+                       extra_env=extra_env, cache_dir=state.cache,
+                       baseline_manifest=manifest if manifest_file else None)
         with _executor(executor, address, jobs) as ex:
-            report = _run_with_progress(judge, root, manifest=manifest, probe_ids=probe or None, changed=changed,
-                                        run_all=run_all, baseline_tree=base_tree, baseline_label=base_rev,
-                                        jobs=jobs, use_cache=not no_cache, extra_env=extra_env,
-                                        quiet=as_json, cache_dir=_state(target).cache,
-                                        baseline_manifest=manifest if manifest_file else None, executor=ex)
+            report = _run_with_progress(judge, root, quiet=as_json, executor=ex, **options)
+        if recorder is not None:
+            try:
+                _remember(recorder, report, lambda: judge(root, executor=memo.CacheOnly(), **options))
+            except Exception as exc:  # noqa: BLE001 - a memo saves time; its failure never costs the report
+                err_console.print(f"no memo written: {exc}", style="dim", highlight=False)
         if keep is not None:
             keep.cleanup()
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
         fail(str(exc))
-    if as_json:
-        print(report.model_dump_json(indent=2))
-    else:
-        from feedback.report import render
-
-        render(report, console.get())
+    _print_report(report.model_dump_json(indent=2), as_json, report)
     raise typer.Exit(0 if report.passed else 1)
+
+
+def _print_report(text: str, as_json: bool, report=None) -> None:
+    """A report as JSON text, or rendered for the terminal."""
+    if as_json:
+        print(text)
+        return
+    from feedback.models import FeedbackReport
+    from feedback.report import render
+
+    render(report if report is not None else FeedbackReport.model_validate_json(text), console.get())
+
+
+def _remember(recorder, report, judge_cached) -> None:
+    """Store the report an unchanged re-run would print as its memo: this one when every result came from
+    the cache, else the cache's own answer judged once more (``judge_cached``: nothing runs; a probe
+    the cache lacks leaves no memo)."""
+    def whole(r) -> bool:
+        return all(x.cached for x in [*r.results, *r.baseline_results]) and not r.judges_changed
+
+    if not whole(report):
+        recorder = recorder.renew()
+        report = judge_cached()
+        if not whole(report):
+            return
+    recorder.keep(report.model_dump_json(indent=2), 0 if report.passed else 1)
 
 
 def _events(as_json: bool):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from feedback.select import files_in_diff
+from feedback.changes import files_in_diff
 from infra_agent.agent import AgentState
 from infra_agent.tools import Action
 from playbooks.model import Applicability, Playbook, evaluate, load_library, run_transform

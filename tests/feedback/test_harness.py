@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 
+from feedback.changes import changed_since
 from feedback.harness import UnknownProbe, judge
 from feedback.models import Status
-from feedback.select import changed_since
 
 
 def test_localisation_line_names_probe_message_file_kernel_param_and_input(toy):

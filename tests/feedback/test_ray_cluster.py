@@ -14,10 +14,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is the optional [cluster] extra")
 
+from feedback.machine import gpu_present  # noqa: E402
 from feedback.manifest import load_manifest  # noqa: E402
 from feedback.models import Status  # noqa: E402
 from feedback.ray_executor import RayExecutor  # noqa: E402
-from feedback.runner import Runner, gpu_present  # noqa: E402
+from feedback.runner import Runner  # noqa: E402
 from tests.support.processes import alive  # noqa: E402
 
 PROBES = '''

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import time
 
+from feedback import machine
 from feedback.harness import judge
 from feedback.manifest import load_manifest
 from feedback.models import Status
@@ -116,7 +117,7 @@ def test_a_work_counting_probe_gets_the_interpreter_and_no_gpu_on_a_gpu_machine(
     manifest = load_manifest(toy)
     counting = manifest.probes[0].model_copy(update={"interpret": True})
     plain = manifest.probes[0]
-    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    monkeypatch.setattr(machine, "gpu_present", lambda: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     r = runner_mod.Runner(toy, manifest)
@@ -160,11 +161,11 @@ def test_a_probe_that_needs_more_gpus_than_the_machine_has_is_skipped_with_the_c
 
     manifest = load_manifest(toy)
     ranks = manifest.probe("toy.ok").model_copy(update={"gpus": 4})
-    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    monkeypatch.setattr(machine, "gpu_present", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     (r,) = runner_mod.Runner(toy, manifest, use_cache=False).run([ranks])
     assert r.status.value == "skipped" and r.reason == "needs 4 GPUs together; this machine has 2"
-    monkeypatch.setattr(runner_mod, "gpu_present", lambda: False)
+    monkeypatch.setattr(machine, "gpu_present", lambda: False)
     (r,) = runner_mod.Runner(toy, manifest, use_cache=False).run([ranks])
     assert r.status.value == "skipped" and "none on this machine" in r.reason
 
@@ -219,12 +220,12 @@ def test_a_result_cached_on_one_gpu_model_is_not_served_on_another(toy, tmp_path
     for bus, model in (("0000:19:00.0", "NVIDIA H200"), ("0000:3b:00.0", "NVIDIA H200")):
         (driver / bus).mkdir(parents=True)
         (driver / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 123\nGPU UUID: \t GPU-1\n")
-    assert runner_mod.driver_gpu_model(str(driver)) == "NVIDIA H200"
-    assert runner_mod.driver_gpu_model(str(tmp_path / "none")) is None
+    assert machine.driver_gpu_model(str(driver)) == "NVIDIA H200"
+    assert machine.driver_gpu_model(str(tmp_path / "none")) is None
     manifest = load_manifest(toy)
-    monkeypatch.setattr(runner_mod, "gpu_present", lambda: True)
+    monkeypatch.setattr(machine, "gpu_present", lambda: True)
     keys = {}
     for model in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None):
-        monkeypatch.setattr(runner_mod, "driver_gpu_model", lambda model=model: model)
+        monkeypatch.setattr(machine, "driver_gpu_model", lambda model=model: model)
         keys[model] = runner_mod.Runner(toy, manifest, cache_dir=str(toy / ".cache")).cache_key(manifest.probes[0])
     assert len(set(keys.values())) == 3

@@ -1,25 +1,14 @@
-"""Change-impact selection from a diff and from a git revision."""
+"""Change-impact selection: the probes bound to the files a change touched."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 
-import pytest
-
+from feedback.changes import changed_since
 from feedback.manifest import load_manifest
 from feedback.models import Status
-from feedback.select import DiffError, changed_since, files_in_diff, select
-
-
-def test_files_in_diff_and_broken_diffs():
-    diff = ("diff --git a/toy/core.py b/toy/core.py\n--- a/toy/core.py\n+++ b/toy/core.py\n@@ -1 +1 @@\n-x\n+y\n"
-            "--- /dev/null\n+++ b/toy/new.py\n@@ -0,0 +1 @@\n+z\n")
-    assert files_in_diff(diff) == ["toy/core.py", "toy/new.py"]
-    with pytest.raises(DiffError):
-        files_in_diff("just some text\nwithout headers\n")
-    with pytest.raises(DiffError):
-        files_in_diff("--- a/x.py\n+++ b/x.py\n")  # no hunk
+from feedback.select import select
 
 
 def test_change_impact_selection_from_git(toy):
