@@ -8,8 +8,9 @@ computed from, and served again only while all of that is as it was:
 * **the request**: the target's path, the probes asked for, the change (the ``--changed-from``
   revision, or the text of ``--diff``), ``--all``, ``--baseline``, an outside ``--manifest`` (its
   path and text);
-* **the files**: every file under the target tree, under the harness's own packages and under any
-  probe folder kept outside the tree, by path, size, mtime, ctime and inode.  ctime cannot be set back
+* **the files**: every file under the target tree (but a virtual environment kept in it, :data:`ENV_PARTS`),
+  under the harness's own packages and under any probe folder kept outside the tree, by path, size,
+  mtime, ctime and inode.  ctime cannot be set back
   from user space, so a rewrite shows even when its size and mtime are restored; a file written within
   :data:`RACY_NS` of an observation is hashed as well (a second write in the same clock tick leaves
   every time stamp as it was);
@@ -59,6 +60,10 @@ MAX_FILES = 50_000
 KEEP = 64
 #: the harness's own packages: a new infra-agent judges differently, so its files are inputs too
 HARNESS_DIRS = tuple(str(pathlib.Path(__file__).resolve().parents[1] / p) for p in ("feedback", "infra_agent"))
+#: folders of installed packages inside a tree (uv and venv keep ``.venv`` in the project), not walked: tens of
+#: thousands of files that no probe covers, and whose packages the cache's key does not hold either (it holds
+#: torch's and Triton's versions, as the environment below does)
+ENV_PARTS = frozenset({".venv", "venv", "site-packages", "node_modules", ".tox", ".nox"})
 #: the variables that change how probes run (the interpreter, hidden GPUs, the tf32 emulation)
 ENV_VARS = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "INFRA_AGENT_EMULATE_DOT")
 
@@ -114,7 +119,7 @@ def _walk(folder: str, now_ns: int, find_racy: bool, racy: set[str]) -> list:
     written within :data:`RACY_NS` of ``now_ns`` are added to ``racy``."""
     h, n = hashlib.sha256(), 0
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_PARTS)
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_PARTS and d not in ENV_PARTS)
         for d in dirs:
             if os.path.islink(os.path.join(root, d)):
                 raise Unmemoizable(f"{os.path.join(root, d)} is a symbolic link to a folder")

@@ -243,6 +243,8 @@ def _remember(recorder, report, judge_cached) -> None:
     def whole(r) -> bool:
         return all(x.cached for x in [*r.results, *r.baseline_results]) and not r.judges_changed
 
+    if recorder.before is None:  # not memoisable (feedback/memo.py says why): no second judgement
+        return
     if not whole(report):
         recorder = recorder.renew()
         report = judge_cached()

@@ -192,6 +192,18 @@ def test_a_rewrite_that_restores_size_and_mtime_still_shows_in_its_ctime(tmp_pat
     assert memo.observe(request, [str(tmp_path)], tmp_path / "cache")["files"] != seen["files"]
 
 
+def test_a_virtual_environment_kept_in_the_tree_is_not_walked(tmp_path, monkeypatch):
+    """uv keeps ``.venv`` in the project: tens of thousands of installed files, covered by no probe."""
+    monkeypatch.setattr(memo, "MAX_FILES", 2)
+    (tmp_path / "pkg.py").write_text("x = 1\n")
+    for i in range(5):
+        (tmp_path / ".venv" / "lib" / "site-packages" / f"m{i}.py").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / ".venv" / "lib" / "site-packages" / f"m{i}.py").write_text("y = 2\n")
+    request = memo.Request(tmp_path)
+    seen = memo.observe(request, [str(tmp_path)], tmp_path / "cache")
+    assert seen["files"][str(tmp_path)][1] == 1 and list(seen["racy"]) == [str(tmp_path / "pkg.py")]
+
+
 def test_a_folder_link_or_a_huge_tree_is_not_memoised(tmp_path, monkeypatch):
     (tmp_path / "real").mkdir()
     (tmp_path / "tree").mkdir()
