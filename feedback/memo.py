@@ -217,7 +217,7 @@ def lookup(memo_dir: str | os.PathLike, request: Request, cache_dir: str | os.Pa
         if data.get("version") != VERSION or data.get("request") != request.fields:
             return None
         now = observe(request, data["dirs"], cache_dir, racy=list(data["observed"]["racy"]))
-    except (OSError, ValueError, KeyError, TypeError, Unmemoizable):  # no memo, a damaged one, a changed repo
+    except Exception:  # noqa: BLE001 - no memo, a damaged one, a repository git refuses: the full path judges
         return None
     if _plain(now) != data["observed"]:
         return None
@@ -234,7 +234,7 @@ class Recorder:
         self.dirs = list(dirs) if dirs is not None else _outside([request.target, *HARNESS_DIRS], [])
         try:
             self.before = observe(request, self.dirs, cache_dir)
-        except (OSError, ValueError, Unmemoizable):
+        except Exception:  # noqa: BLE001 - not memoisable (Unmemoizable, git's refusal): the run goes on without
             self.before = None
 
     def renew(self) -> Recorder:
@@ -249,7 +249,7 @@ class Recorder:
             return
         try:
             files, hashed = _files(new, None)
-        except (OSError, Unmemoizable):
+        except Exception:  # noqa: BLE001 - as in __init__
             self.before = None
             return
         self.dirs += new
@@ -263,7 +263,7 @@ class Recorder:
             return None
         try:
             after = observe(self.request, self.dirs, self.cache_dir, racy=list(self.before["racy"]))
-        except (OSError, ValueError, Unmemoizable):
+        except Exception:  # noqa: BLE001 - as in __init__
             return None
         if _plain(after) != _plain(self.before):
             return None

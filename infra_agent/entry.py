@@ -70,13 +70,13 @@ def serve_memo(argv: list[str]) -> int | None:
             return None
         diff = pathlib.Path(opts["diff"]).read_text(errors="replace") if opts.get("diff") else None
         manifest = pathlib.Path(opts["manifest"]).read_text() if opts.get("manifest") else None
-    except OSError:
+        request = memo.Request(opts["target"], probes=opts["probe"], changed_from=opts.get("changed_from"),
+                               diff_text=diff, run_all=opts.get("run_all", False), baseline=opts.get("baseline"),
+                               manifest_file=opts.get("manifest"), manifest_text=manifest)
+        state = StateDir.for_target(opts["target"])
+        hit = memo.lookup(state.memos, request, state.cache)
+    except Exception:  # noqa: BLE001 - whatever goes wrong here, the full command line judges (and says why)
         return None
-    request = memo.Request(opts["target"], probes=opts["probe"], changed_from=opts.get("changed_from"),
-                           diff_text=diff, run_all=opts.get("run_all", False), baseline=opts.get("baseline"),
-                           manifest_file=opts.get("manifest"), manifest_text=manifest)
-    state = StateDir.for_target(opts["target"])
-    hit = memo.lookup(state.memos, request, state.cache)
     if hit is None:
         return None
     sys.stdout.write(hit.report + "\n")
