@@ -51,14 +51,7 @@ def changed_since(tree: str | pathlib.Path, rev: str) -> list[str]:
 def changes_since(tree: str | pathlib.Path, rev: str) -> tuple[str, list[str]]:
     """(the commit ``rev`` names, the files that differ between it and the working tree, untracked files
     included): four git calls."""
-    tree = pathlib.Path(tree).resolve()
-    root = repo_root(tree)
-    if root is None:
-        raise ValueError(f"--changed-from needs a git repository, and {tree} is not in one")
-    commit = commit_of(root, rev)
-    if commit is None:
-        raise ValueError(f"unknown revision {rev!r}")
-    sub = tree.relative_to(root)
+    root, commit, sub = resolve_revision(tree, rev)
     where = str(sub) if str(sub) != "." else "."
     names = []
     for args in (("diff", "--name-only", commit), ("ls-files", "--others", "--exclude-standard")):
@@ -100,6 +93,19 @@ def repo_root(path: pathlib.Path) -> pathlib.Path | None:
     except OSError:
         return None
     return pathlib.Path(top.stdout.decode().strip()).resolve() if top.returncode == 0 else None
+
+
+def resolve_revision(path: str | pathlib.Path, rev: str) -> tuple[pathlib.Path, str, pathlib.Path]:
+    """(the root of the git repository ``path`` is in, the commit ``rev`` names there, ``path`` relative to
+    that root); a ValueError that says which is missing."""
+    path = pathlib.Path(path).resolve()
+    root = repo_root(path)
+    if root is None:
+        raise ValueError(f"{path} is not in a git repository")
+    commit = commit_of(root, rev)
+    if commit is None:
+        raise ValueError(f"unknown revision {rev!r} in {root}")
+    return root, commit, path.relative_to(root)
 
 
 def commit_of(root: pathlib.Path, rev: str) -> str | None:

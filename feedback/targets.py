@@ -10,7 +10,7 @@ import shutil
 import tarfile
 import tempfile
 
-from feedback.changes import commit_of, git, repo_root
+from feedback.changes import git, resolve_revision
 from feedback.manifest import MANIFEST_NAME
 from feedback.state import NAME as STATE_NAME
 from feedback.state import StateDir
@@ -64,7 +64,7 @@ def bundled_tree(base: str | pathlib.Path | None = None) -> pathlib.Path:
 
 def export_revision(repo_dir: str | pathlib.Path, rev: str, dest: str | pathlib.Path) -> pathlib.Path:
     """Write the tree of ``rev`` of the git repository at ``repo_dir`` into ``dest`` (no checkout)."""
-    root, commit, rel = _resolve(repo_dir, rev)
+    root, commit, rel = resolve_revision(repo_dir, rev)
     _export(root, commit, rev, pathlib.Path(dest))
     # a target that is a subfolder of its repository: keep the same relative root
     return pathlib.Path(dest) / rel
@@ -74,7 +74,7 @@ def stored_revision(repo_dir: str | pathlib.Path, rev: str, store: str | pathlib
     """The tree of ``rev`` exported once into ``store/<commit>`` and reused while it is among the ``keep``
     most recently used there (a commit's tree never changes; a repeated ``feedback --changed-from``
     then pays no export).  Written atomically: a killed export never looks complete."""
-    root, commit, rel = _resolve(repo_dir, rev)
+    root, commit, rel = resolve_revision(repo_dir, rev)
     store = pathlib.Path(store)
     dest = store / commit
     if (dest / _COMPLETE).is_file():
@@ -103,18 +103,6 @@ def stored_revision(repo_dir: str | pathlib.Path, rev: str, store: str | pathlib
 
 
 _COMPLETE = ".infra-agent-export"  # written last into a stored export
-
-
-def _resolve(repo_dir: str | pathlib.Path, rev: str) -> tuple[pathlib.Path, str, pathlib.Path]:
-    """(repository root, the commit ``rev`` names, ``repo_dir`` relative to the root)."""
-    repo_dir = pathlib.Path(repo_dir).resolve()
-    root = repo_root(repo_dir)
-    if root is None:
-        raise ValueError(f"{repo_dir} is not in a git repository")
-    commit = commit_of(root, rev)
-    if commit is None:
-        raise ValueError(f"unknown revision {rev!r} in {root}")
-    return root, commit, repo_dir.relative_to(root)
 
 
 def _export(root: pathlib.Path, commit: str, rev: str, dest: pathlib.Path) -> None:
