@@ -199,7 +199,9 @@ def feedback(
         manifest = parse_manifest(manifest_text, manifest_file) if manifest_file else load_manifest(root)
         if recorder is not None:
             recorder.extend(manifest.probe_roots())
-        changed = changed_files(root, since=changed_from, diff=diff_text)
+        # the files changed since --changed-from: the memo's observation asked git already
+        seen = recorder.before["git"] if recorder is not None and recorder.before is not None else {}
+        changed = seen["changed"] if "changed" in seen else changed_files(root, since=changed_from, diff=diff_text)
         base_rev = baseline or changed_from
         keep = None
         base_tree = None
@@ -221,19 +223,24 @@ def feedback(
             keep.cleanup()
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
         fail(str(exc))
-    _print_report(report.model_dump_json(indent=2), as_json, report)
+    _print_report(report, as_json)
     raise typer.Exit(0 if report.passed else 1)
 
 
-def _print_report(text: str, as_json: bool, report=None) -> None:
-    """A report as JSON text, or rendered for the terminal."""
-    if as_json:
-        print(text)
+def _print_report(report, as_json: bool) -> None:
+    """A report (a FeedbackReport, or a memo's JSON text of one) as JSON, or rendered for the terminal."""
+    if isinstance(report, str) and as_json:
+        print(report)
         return
     from feedback.models import FeedbackReport
     from feedback.report import render
 
-    render(report if report is not None else FeedbackReport.model_validate_json(text), console.get())
+    if isinstance(report, str):
+        report = FeedbackReport.model_validate_json(report)
+    if as_json:
+        print(report.model_dump_json(indent=2))
+    else:
+        render(report, console.get())
 
 
 def _remember(recorder, report, judge_cached) -> None:
