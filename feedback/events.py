@@ -59,6 +59,31 @@ def gil_blocked(events: list[dict], start: str = "dispatch.enter", end: str = "d
     return out
 
 
+
+def sampler_faults(events: list[dict]) -> list[str]:
+    """What breaks the GIL sampler's contract in ``events``, one line per process at fault: every batch a
+    sampler writes holds the ticks since its previous batch, each once, increasing, none later than the
+    batch's own event time.  A sampler that writes a tick twice (a batch repeating earlier ones) hides
+    nothing from :func:`gil_blocked`, which is why this is checked apart: empty for a sound stream."""
+    batches: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("event") == "gil.ticks":
+            batches.setdefault(e.get("pid"), []).append(e)
+    out = []
+    for pid, ours in batches.items():
+        last, repeated, unordered, late, total = float("-inf"), 0, 0, 0, 0
+        for e in sorted(ours, key=lambda e: e["t"]):
+            ticks = [float(t) for t in e.get("ticks", [])]
+            total += len(ticks)
+            repeated += sum(t <= last for t in ticks)  # at or before the previous batch's last tick
+            unordered += sum(b <= a for a, b in zip(ticks, ticks[1:], strict=False))
+            late += sum(t > e["t"] for t in ticks)
+            last = max([last, *ticks])
+        if repeated or unordered or late:
+            out.append(f"pid {pid}: of {total} ticks in {len(ours)} batches, {repeated} repeat an earlier "
+                       f"batch's, {unordered} do not increase within a batch, {late} are later than their batch")
+    return out
+
 #: spans of the events a probe read that its result keeps (the longest, where there are more)
 TIMELINE_SPANS = 400
 _timeline: list[dict] = []  # of the last events this process read

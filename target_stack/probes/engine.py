@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from feedback.correctness import fresh_generator
-from feedback.events import SAMPLE_VAR, gil_blocked, read_events, spans
+from feedback.events import SAMPLE_VAR, gil_blocked, read_events, sampler_faults, spans
 from feedback.probe import ProbeContext, probe
 from target_stack.engine import LLMEngine, SamplingParams
 from target_stack.model.model import PRESETS, HybridModel, ModelConfig
@@ -22,6 +22,7 @@ RUNNER = "target_stack/engine/runner.py"
 DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
 DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
 NATIVE = "target_stack/ops/moe/native/__init__.py"
+EVENTS = "target_stack/events.py"
 
 
 def _greedy_recompute(model: HybridModel, prompt: list[int], n: int) -> list[int]:
@@ -289,6 +290,9 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
     ctx.metric("transfer_stall_ratio", ratio, better="lower")
     # the cause, read directly: how much of each native call the prefill worker's GIL sampler sat out.
     # Unlike the stage waits it does not depend on whether a stage happened to be in flight
+    faults = sampler_faults(events)
+    ctx.check(not faults, f"the GIL sampler's ticks are not each written once, in order: {faults[0] if faults else ''}",
+              file=EVENTS)
     blocked = gil_blocked(events)
     ctx.check(bool(blocked), "the prefill worker's GIL sampler observed none of the native calls", file=DISAGG_WORKERS)
     if blocked:

@@ -16,7 +16,7 @@ from feedback.correctness import compare_sweep, error_growth, fresh_generator, p
 from feedback.probe import ProbeContext, probe
 from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, kda_gate, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
-from target_stack.ops.utils import poisoning, resolve_dot_precision, set_poison
+from target_stack.ops.utils import alloc, poisoning, resolve_dot_precision, set_poison
 from target_stack.probes.reference import finite, isolated
 
 set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
@@ -24,6 +24,7 @@ set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
 CP = "target_stack/ops/kda/cp.py"
+UTILS = "target_stack/ops/utils.py"
 
 
 def _ref(q, k, v, g, beta, h0=None):
@@ -149,9 +150,37 @@ def _in_kernel64(q, k, g, beta, a_log, dt_bias, *, l2norm, beta_sigmoid, gate):
     return q, k, g, beta
 
 
+def _poison_contract(ctx: ProbeContext) -> None:
+    """What the sweeps and the timed probes rely on: while poisoning is on every buffer ``alloc`` gives starts
+    as NaN, and ``poisoning(x)`` sets x inside its block and then puts back the setting it found, whichever
+    it was (a timed block must not leave the sweeps that follow unpoisoned, nor poison the timings after)."""
+    def setting() -> bool:
+        now = set_poison(True)
+        set_poison(now)
+        return now
+
+    wrong = []
+    try:
+        for outer in (False, True):
+            for inner in (False, True):
+                set_poison(outer)
+                with poisoning(inner):
+                    if setting() != inner:
+                        wrong.append(f"inside poisoning({inner}) after {outer}: {setting()}")
+                    if inner and not bool(torch.isnan(alloc(64, dtype=torch.float32, device=ctx.device)).all()):
+                        wrong.append(f"inside poisoning({inner}): a buffer that is not NaN")
+                if setting() != outer:
+                    wrong.append(f"poisoning({inner}) after {outer} left {setting()}")
+    finally:
+        set_poison(True)
+    ctx.check(not wrong, f"output poisoning does not keep its contract: {'; '.join(wrong)}",
+              file=UTILS, condition="poisoning() and alloc()")
+
+
 def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
     """Every case against the float64 reference; a case that raises or crashes (an out-of-bounds
     access in the interpreter) fails at its own condition."""
+    _poison_contract(ctx)
     tol = float(ctx.params.get("tolerance", 1e-5))
     worst = 0.0
     for i, case in enumerate(ctx.params["cases"]):

@@ -12,7 +12,17 @@ import threading
 
 import pytest
 
-from feedback.events import ENV_VAR, SAMPLE_VAR, Heartbeat, captured_timeline, gil_blocked, read_events, spans, timeline
+from feedback.events import (
+    ENV_VAR,
+    SAMPLE_VAR,
+    Heartbeat,
+    captured_timeline,
+    gil_blocked,
+    read_events,
+    sampler_faults,
+    spans,
+    timeline,
+)
 from target_stack.events import emit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,6 +111,7 @@ def test_the_gil_sampler_tells_a_call_that_keeps_the_gil_from_one_that_releases_
         subprocess.run([sys.executable, "-c", _SAMPLED, name], env=env, check=True, timeout=60)
         events = read_events(path)
         assert any(e["event"] == "gil.ticks" and e["thread"] == "gil-sampler" for e in events)
+        assert sampler_faults(events) == []  # the real sampler writes each tick once, in order
         fractions[name] = gil_blocked(events)
     assert len(fractions["holds"]) == len(fractions["releases"]) == 6, fractions
     assert min(fractions["holds"]) > 0.9, fractions  # the sampler sat out (nearly) the whole call
@@ -117,3 +128,25 @@ def test_gil_blocked_leaves_out_spans_the_sampler_did_not_see():
               {"t": 2.5, "event": "gil.ticks", "pid": 1, "thread": "gil-sampler", "ticks": [1.2, 1.3, 1.9, 2.5]}]
     # the first span's longest tick-free stretch is 1.3 -> 1.9; the second ends after the last tick
     assert gil_blocked(events) == pytest.approx([0.6])
+
+
+def _batches(*ticks_by_batch, pid=1):
+    return [{"t": max(ts) + 0.01, "event": "gil.ticks", "pid": pid, "thread": "gil-sampler", "ticks": list(ts)}
+            for ts in ticks_by_batch]
+
+
+def test_sampler_faults_names_ticks_written_twice_out_of_order_or_late():
+    sound = _batches([1.0, 1.1], [1.2, 1.3]) + _batches([1.0, 1.5], pid=2)  # processes apart: own clocks
+    assert sampler_faults(sound) == []
+    # a sampler that never empties its buffer: every batch repeats the earlier ones
+    growing = _batches([1.0, 1.1], [1.0, 1.1, 1.2, 1.3], [1.0, 1.1, 1.2, 1.3, 1.4])
+    (fault,) = sampler_faults(growing)
+    assert fault.startswith("pid 1:") and "6 repeat" in fault
+    assert "do not increase" in sampler_faults(_batches([1.0, 0.9]))[0]
+    late = _batches([1.0, 1.1])
+    late[0]["t"] = 1.05
+    assert "1 are later" in sampler_faults(late)[0]
+    # the verdict on the stream is unchanged by the repeats: why the probe checks them apart
+    spans_ = [{"t": 1.15, "event": "dispatch.enter", "pid": 1, "thread": "main"},
+              {"t": 1.35, "event": "dispatch.exit", "pid": 1, "thread": "main"}]
+    assert gil_blocked(spans_ + growing) == pytest.approx(gil_blocked(spans_ + _batches([1.0, 1.1], [1.2, 1.3], [1.4])))
