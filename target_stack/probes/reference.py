@@ -377,26 +377,10 @@ class Checker:
             yield
         except Exception as exc:  # noqa: BLE001 - a crash of the code under test is a located failure
             self.worst = math.inf
-            frame = self._culprit(exc)
+            frame = culprit(exc, self.ctx.tree)
             if frame is not None:
                 where = dict(where, file=frame[0], symbol=frame[1])
             self.ctx.fail(raised_message(exc), **where)
-
-    def _culprit(self, exc: BaseException) -> tuple[str, str] | None:
-        """(file, function) of the innermost traceback frame in the tree's target_stack, probes excluded."""
-        import pathlib
-        import traceback
-
-        root = pathlib.Path(self.ctx.tree).resolve()
-        found = None
-        for frame, lineno in traceback.walk_tb(exc.__traceback__):
-            try:
-                rel = pathlib.Path(frame.f_code.co_filename).resolve().relative_to(root)
-            except ValueError:
-                continue
-            if rel.parts[:1] == ("target_stack",) and rel.parts[1:2] != ("probes",):
-                found = (str(rel), f"{frame.f_code.co_name} (line {lineno})")
-        return found
 
     def report(self) -> None:
         self.ctx.metric("max_rel_err", finite(self.worst), better="lower")
@@ -420,7 +404,12 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     import tempfile
 
     def raised(exc: Exception) -> None:
-        ctx.fail(raised_message(exc), **where)
+        frame = culprit(exc, ctx.tree)
+        if frame is None or frame[0] == where.get("file"):
+            ctx.fail(raised_message(exc), **where)
+        else:  # raised in another file of the code under test than the one checked: that file and its frame
+            ctx.fail(raised_message(exc), **dict({k: v for k, v in where.items() if k != "kernel"},
+                                                 file=frame[0], symbol=frame[1]))
 
     if device_lost(ctx):
         return False, None
@@ -489,6 +478,34 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
 
 
 DEVICE_FAULT = "the device faulted"
+
+
+def culprit(exc: BaseException, tree) -> tuple[str, str] | None:
+    """(file, "function (line N)") of the innermost frame of the code under test (the tree's target_stack,
+    probes excluded) that raised ``exc``.  An exception raised while handling another (a Triton interpreter
+    error around the one its kernel raised, a wrapper's ValueError around a KeyError) is traced to the
+    first of the chain whose traceback reaches that code: where the trouble began."""
+    import pathlib
+    import traceback
+
+    root = pathlib.Path(tree).resolve()
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    for link in reversed(chain):  # the first raised, first
+        found = None
+        for frame, lineno in traceback.walk_tb(link.__traceback__):
+            try:
+                rel = pathlib.Path(frame.f_code.co_filename).resolve().relative_to(root)
+            except ValueError:
+                continue
+            if rel.parts[:1] == ("target_stack",) and rel.parts[1:2] != ("probes",):
+                found = (str(rel), f"{frame.f_code.co_name} (line {lineno})")
+        if found is not None:
+            return found
+    return None
 
 
 def raised_message(exc: BaseException) -> str:

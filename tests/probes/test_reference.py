@@ -51,3 +51,55 @@ def test_a_device_fault_is_one_located_failure_and_the_probes_later_device_work_
     assert "compute-sanitizer" in finding.message
     done, _ = ref.isolated(ctx, lambda: ran.append(2), chk, file="engine.py")
     assert not done and ran == [1] and len(ctx.findings) == 1  # skipped, nothing new claimed
+
+
+def _tree_with_a_raising_helper(tmp_path):
+    """A tree whose kernel file calls a helper in another file that raises, loaded from its files."""
+    import importlib.util
+
+    ops = tmp_path / "target_stack" / "ops"
+    ops.mkdir(parents=True)
+    (ops / "helper.py").write_text("def bad():\n    raise TypeError('only 0-dimensional arrays')\n")
+    (ops / "kern.py").write_text("def kernel(fn):\n    return fn() + 1\n")
+    mods = {}
+    for name in ("helper", "kern"):
+        spec = importlib.util.spec_from_file_location(f"_tree_{name}", ops / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    return mods["kern"], mods["helper"]
+
+
+def _launch(kern, helper, suppress=False):
+    """What an interpreter outside the tree does: run the kernel, raise an error of its own around the kernel's."""
+    try:
+        kern.kernel(helper.bad)
+    except TypeError as exc:
+        if suppress:
+            raise RuntimeError(f"launch failed: {exc!r}") from None
+        raise RuntimeError(f"launch failed: {exc!r}") from exc
+
+
+def test_a_raised_error_is_traced_through_the_chain_to_the_file_where_it_began(tmp_path):
+    import pytest
+
+    from feedback.probe import ProbeContext
+
+    kern, helper = _tree_with_a_raising_helper(tmp_path)
+    with pytest.raises(RuntimeError) as info:
+        _launch(kern, helper)
+    # the outer error's own frames are all outside the tree; the one it wraps began in helper.py
+    assert ref.culprit(info.value, tmp_path) == ("target_stack/ops/helper.py", "bad (line 2)")
+    with pytest.raises(RuntimeError) as info:
+        _launch(kern, helper, suppress=True)
+    assert ref.culprit(info.value, tmp_path) is None  # `from None`: the chain is cut, nothing of the tree raised
+
+    # isolated() names that file rather than the one the check was about, keeping the input condition
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    ctx._device = "cpu"
+    done, _ = ref.isolated(ctx, lambda: _launch(kern, helper), file="target_stack/ops/kern.py",
+                           kernel="kernel", condition="T=1")
+    [finding] = ctx.findings
+    assert not done and ctx.failed and finding.message.startswith("raised RuntimeError: launch failed")
+    loc = finding.location
+    assert (loc.file, loc.symbol, loc.kernel, loc.condition) == ("target_stack/ops/helper.py", "bad (line 2)",
+                                                                 None, "T=1")
