@@ -18,6 +18,10 @@ kernel or function around it:
 * ``kernel_loop_division``: a division (``/``, ``tl.fdiv``, ``tl.div_rn``) inside a loop of a
   ``@triton.jit`` kernel: a reciprocal hoisted out of the loop, or an ``rsqrt`` multiply, does the
   same work with a cheaper instruction per element.  Metric ``loop_divisions``.
+* ``argument_order``: calls whose positional arguments are named after *other* parameters of the callee
+  than the ones their places fill (``Prefilled(rid, first, ...)`` against a record that declares ``first``
+  first, ``kernel[grid](k, q, ...)`` against ``def kernel(q, k, ...)``), callees found across every file
+  checked (``feedback/argorder.py``).  Metric ``misplaced_arguments``.
 
 The runner calls :func:`run_check` in its own process (a static check needs no isolation); a
 file that does not parse is a finding, never a crash.
@@ -165,11 +169,21 @@ def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
                     yield Site(rel, node.lineno, fn.name, f"division in the kernel's loop: {ast.unparse(node)[:80]}")
 
 
-CHECKS: dict[str, tuple[str, Callable[[ast.AST, str], Iterator[Site]]]] = {
+def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
+    from feedback.argorder import argument_order as check  # it imports Site from here
+
+    return check(modules)
+
+
+#: per-file checks: (tree, relative path) -> sites
+CHECKS: dict[str, tuple[str, Callable[..., Iterator[Site]]]] = {
     "dot_precision": ("implicit_precision", dot_precision),
     "gil_native": ("gil_holding_loads", gil_native),
     "kernel_loop_division": ("loop_divisions", kernel_loop_division),
+    "argument_order": ("misplaced_arguments", argument_order),
 }
+#: the checks that read every file together: [(tree, relative path), ...] -> sites
+WHOLE_TREE = {"argument_order"}
 
 
 def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Path]:
@@ -204,6 +218,7 @@ def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = Non
     root = pathlib.Path(root).resolve()
     sites: list[Site] = []
     unreadable: list[Site] = []
+    modules: list[tuple[ast.Module, str]] = []
     for f in python_files(root, paths):
         rel = f.relative_to(root).as_posix()
         try:
@@ -211,5 +226,10 @@ def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = Non
         except SyntaxError as exc:
             unreadable.append(Site(rel, exc.lineno or 0, None, f"does not parse: {exc.msg}"))
             continue
-        sites.extend(sorted(fn(tree, rel), key=lambda site: site.line))
+        if name in WHOLE_TREE:
+            modules.append((tree, rel))
+        else:
+            sites.extend(sorted(fn(tree, rel), key=lambda site: site.line))
+    if name in WHOLE_TREE:
+        sites = sorted(check(modules, **options), key=lambda site: (site.file, site.line))
     return metric, len(sites), sites + unreadable

@@ -164,6 +164,10 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         probes.append({"id": "static.gil_native", "kind": "static", "check": "gil_native",
                        "description": "no native library loaded so that its calls hold the GIL",
                        "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60})
+        probes.append({"id": "static.argument_order", "kind": "static", "check": "argument_order",
+                       "description": "no call passes its arguments in another order than its callee declares",
+                       "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 120,
+                       "thresholds": {"misplaced_arguments": {"max": _count_misplaced(inv)}}})
     # the most focused tests first (fewest kernel files each), one per set of kernel files
     chosen, seen = [], set()
     for t in sorted(inv.kernel_tests, key=lambda t: (len(inv.kernel_tests[t]), t)):
@@ -202,6 +206,13 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         notes.append("# benchmark scripts (a `command` probe runs one that prints a JSON object of metrics last):")
         notes += [f"#   {b}" for b in inv.bench_files[:20]]
     return "\n".join(notes) + "\n" + text
+
+
+def _count_misplaced(inv: Inventory) -> int:
+    """Today's count of calls in another order than their callees (held, like the divisions)."""
+    from feedback.checks import run_check
+
+    return run_check("argument_order", inv.root, inv.packages)[1]
 
 
 def _count_divisions(inv: Inventory) -> int:

@@ -114,7 +114,7 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     assert run_check("dot_precision", ext, ["pkg"], every=True)[1] == 2  # every dot without a precision
     with pytest.raises(ValueError, match="leaves the tree"):
         run_check("dot_precision", ext, ["../elsewhere"])
-    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division"}
+    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division", "argument_order"}
 
 
 def test_checks_and_pytest_probes_through_the_runner(ext):
@@ -147,7 +147,7 @@ def test_checks_and_pytest_probes_through_the_runner(ext):
 
 def test_the_manifest_says_what_a_probe_needs(tmp_path):
     bad = "schema_version: 1\nname: x\nprobes:\n  - {id: a, kind: static, check: %s}\n"
-    with pytest.raises(ManifestError, match="unknown check 'nope'; built in: dot_precision"):
+    with pytest.raises(ManifestError, match="unknown check 'nope'; built in: argument_order, dot_precision"):
         parse_manifest(bad % "nope")
     two = "schema_version: 1\nname: x\nprobes:\n  - {id: a, kind: static, check: gil_native, command: 'true'}\n"
     with pytest.raises(ManifestError, match="exactly one of entry"):

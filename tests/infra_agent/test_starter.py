@@ -31,7 +31,8 @@ def scale(x, s):
     return x * (2.0 / s)
 '''
 
-NAIVE = "def scale_ref(x, s):\n    return x * (2.0 / s)\n"
+NAIVE = ("def scale_ref(x, s):\n    return x * (2.0 / s)\n\n\n"
+         "def scale_back(x, s):\n    return scale_ref(s, x)  # today's code, as the starter finds it\n")
 TEST_KERNEL = '''
 from mylib.ops.scale import scale
 from mylib.ops.naive import scale_ref
@@ -94,6 +95,8 @@ def test_init_writes_a_manifest_that_checks_and_runs(tmp_path):
     # the division in the kernel's loop is today's count: the starter holds the line, it does not fail
     assert results["static.kernel_loop_division"]["metrics"]["loop_divisions"]["value"] == 1
     assert results["static.kernel_loop_division"]["status"] == "pass"
+    assert results["static.argument_order"]["metrics"]["misplaced_arguments"]["value"] == 2  # call and definition
+    assert results["static.argument_order"]["status"] == "pass"
 
 
 def test_manifest_check_names_what_the_manifest_points_at_that_is_missing(tmp_path):

@@ -1,0 +1,298 @@
+"""Positional arguments in another parameter's place: calls checked against the definitions they reach.
+
+``Prefilled(rid, first, timing)`` against a record that declares ``first`` before ``rid`` runs, type-checks
+when both are ints, and files every result under the wrong key; a Triton launch ``kernel[grid](k, q, ...)``
+against ``def kernel(q, k, ...)`` computes the transpose of the intended product.  Neither fails where it
+happens.  The evidence is in the names: arguments named (``rid``, ``msg.rid``, ``self._rid``) after parameters
+of the callee that trade places with each other, each in the place of another's namesake.
+
+Definitions are indexed across every module checked, by their last name: functions, methods (``self`` and
+``cls`` dropped; ``@staticmethod`` keeps its first parameter), classes through their ``__init__``, and
+dataclasses and ``NamedTuple`` records through their fields in order (a dataclass base's fields first; a
+base that is not indexed makes the class unknown, so it is skipped).  A call is judged against every
+definition of its name, and flagged only if it is misplaced against each of them.
+
+Where a finding points: the call and the definition disagree, and either may be what changed.  If every
+call of a definition that passes names disagrees with it the same way (at least two of them), the
+declaration is the odd one out and the finding is at the definition, naming the calls; if some calls
+agree, each disagreeing call is a finding of its own; one call alone names both places.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from feedback.checks import Site
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The positional parameters of a callable as its source declares them."""
+
+    name: str
+    file: str
+    line: int
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Misplaced:
+    """One call's arguments found in other parameters' places (``(argument, place, its own place)``)."""
+
+    file: str
+    line: int
+    caller: str | None
+    callee: Signature
+    moves: tuple[tuple[str, int, int], ...]
+
+    def describe(self) -> str:
+        p = self.callee.params
+        return ", ".join(f"`{arg}` as parameter {at + 1} ({p[at]}; `{arg}` is parameter {own + 1})"
+                         for arg, at, own in self.moves)
+
+
+def _last(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return _last(node.func)
+    return ""
+
+
+def _bare(name: str) -> str:
+    return name.lstrip("_")
+
+
+def _function_params(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> tuple[str, ...] | None:
+    """Positional parameter names; ``None`` where they are not what a call fills (``*args`` first, say)."""
+    names = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]]
+    decorators = {_last(d) for d in fn.decorator_list}
+    if method and "staticmethod" not in decorators:
+        if not names:
+            return None
+        names = names[1:]
+    return tuple(names)
+
+
+def _is_classvar(annotation: ast.AST) -> bool:
+    return _last(annotation.value if isinstance(annotation, ast.Subscript) else annotation) in ("ClassVar",
+                                                                                                 "InitVar")
+
+
+def _field_init_false(value: ast.AST | None) -> bool:
+    return (isinstance(value, ast.Call) and _last(value.func) == "field"
+            and any(k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in value.keywords))
+
+
+def _kw_only(decorators: list[ast.expr]) -> bool:
+    return any(isinstance(d, ast.Call) and any(k.arg == "kw_only" and isinstance(k.value, ast.Constant)
+                                                and k.value.value is True for k in d.keywords)
+               for d in decorators)
+
+
+def _own_fields(cls: ast.ClassDef) -> tuple[str, ...]:
+    fields = []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            if _last(stmt.annotation) == "KW_ONLY":
+                break  # the fields after `_: KW_ONLY` are keyword-only
+            if not _is_classvar(stmt.annotation) and not _field_init_false(stmt.value):
+                fields.append(stmt.target.id)
+    return tuple(fields)
+
+
+@dataclass
+class _Scan:
+    """What one walk of a module finds: its classes, its calls (with the function around each), its imports."""
+
+    classes: list[ast.ClassDef]
+    calls: list[tuple[ast.Call, str | None]]
+    imports: list[ast.Import | ast.ImportFrom]
+
+
+def _scan(tree: ast.Module) -> _Scan:
+    out = _Scan([], [], [])
+    stack: list[tuple[ast.AST, str | None]] = [(tree, None)]
+    while stack:
+        node, fn = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            fn = node.name
+        elif isinstance(node, ast.ClassDef):
+            out.classes.append(node)
+        elif isinstance(node, ast.Call):
+            out.calls.append((node, fn))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.imports.append(node)
+        stack.extend((child, fn) for child in ast.iter_child_nodes(node))
+    out.calls.sort(key=lambda c: (c[0].lineno, c[0].col_offset))
+    return out
+
+
+def signatures(modules: Iterable[tuple[ast.Module, str]],
+               scans: dict[int, _Scan] | None = None) -> dict[str, list[Signature]]:
+    """Every definition of the modules, by its last name."""
+    scans = scans if scans is not None else {}
+    index: dict[str, list[Signature]] = defaultdict(list)
+    records: dict[str, list[tuple[ast.ClassDef, str, str]]] = defaultdict(list)  # name -> (class, file, kind)
+
+    def add_functions(body: list[ast.stmt], rel: str, method: bool) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = _function_params(node, method)
+                if params is not None and node.name != "__init__":
+                    index[node.name].append(Signature(node.name, rel, node.lineno, params))
+
+    for tree, rel in modules:
+        add_functions(tree.body, rel, method=False)
+        scan = scans[id(tree)] if id(tree) in scans else scans.setdefault(id(tree), _scan(tree))
+        for cls in scan.classes:
+            add_functions(cls.body, rel, method=True)
+            init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+            decorators = {_last(d) for d in cls.decorator_list}
+            if init is not None:
+                params = _function_params(init, method=True)
+                if params is not None:
+                    index[cls.name].append(Signature(cls.name, rel, cls.lineno, params))
+            elif "dataclass" in decorators and not _kw_only(cls.decorator_list):
+                records[cls.name].append((cls, rel, "dataclass"))
+            elif any(_last(b) == "NamedTuple" for b in cls.bases):
+                index[cls.name].append(Signature(cls.name, rel, cls.lineno, _own_fields(cls)))
+
+    def fields(cls: ast.ClassDef, seen: frozenset[str]) -> tuple[str, ...] | None:
+        inherited: tuple[str, ...] = ()
+        for base in cls.bases:
+            name = _last(base)
+            found = records.get(name, [])
+            if name in seen or len(found) != 1:
+                return None  # a base we cannot read (or read two ways): the order is unknown
+            more = fields(found[0][0], seen | {name})
+            if more is None:
+                return None
+            inherited += tuple(f for f in more if f not in inherited)
+        own = _own_fields(cls)
+        return tuple(f for f in inherited if f not in own) + own
+
+    for name, found in records.items():
+        for cls, rel, _ in found:
+            params = fields(cls, frozenset({name}))
+            if params is not None:
+                index[name].append(Signature(name, rel, cls.lineno, params))
+    return index
+
+
+def _arg_name(node: ast.AST) -> str | None:
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        return _bare(_last(node))
+    return None
+
+
+def _moves(args: list[ast.expr], sig: Signature) -> tuple[tuple[str, int, int], ...]:
+    """The arguments named after another parameter, kept only where they trade places among themselves
+    (``(k, q)`` for ``(q, k)``; a cycle of three): ``(A_in, A)`` for ``(A, A2)`` is a coincidence of names
+    (``A`` is not displaced by another parameter's namesake), ``(x, x)`` for ``(x, y)`` passes one value twice."""
+    params = [_bare(p) for p in sig.params]
+    place = {p: i for i, p in enumerate(params)}
+    to: dict[int, tuple[str, int]] = {}
+    for at, arg in enumerate(args[:len(params)]):
+        if isinstance(arg, ast.Starred):
+            break  # positions after a *spread are unknown
+        name = _arg_name(arg)
+        if name and name != params[at] and name in place and place[name] != at:
+            to[at] = (name, place[name])
+    moves = []
+    for start, (name, own) in to.items():
+        seen, at = {start}, own
+        while at in to and at not in seen:
+            seen.add(at)
+            at = to[at][1]
+        if at == start:
+            moves.append((name, start, own))
+    return tuple(moves)
+
+
+def _names_passed(args: list[ast.expr], sig: Signature) -> bool:
+    """Whether a call passes at least two of the callee's parameter names positionally: enough to say which
+    order it believes in."""
+    params = {_bare(p) for p in sig.params}
+    return sum(_arg_name(a) in params for a in args) >= 2
+
+
+def _dotted(rel: str) -> str:
+    parts = rel.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _foreign(imports: list[ast.Import | ast.ImportFrom], ours: set[str]) -> set[str]:
+    """The names a module binds to other code than the modules checked (``torch``, ``tl``, ``randint`` of
+    ``from torch import randint``): a call through them never reaches an indexed definition."""
+    def mine(module: str) -> bool:
+        return any(m == module or m.startswith(module + ".") for m in ours)
+
+    out: set[str] = set()
+    for node in imports:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not mine(alias.name):
+                    out.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and not node.level and not mine(node.module or ""):
+            out.update(alias.asname or alias.name for alias in node.names)
+    return out
+
+
+def misplaced(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Misplaced | None, Signature, str, int]]:
+    """(finding or ``None`` for a call that agrees, the definition, call file, call line) for every call that
+    passes names of its callee's parameters positionally."""
+    scans: dict[int, _Scan] = {}
+    index = signatures(modules, scans)
+    ours = {_dotted(rel) for _, rel in modules}
+    for tree, rel in modules:
+        scan = scans[id(tree)]
+        foreign = _foreign(scan.imports, ours)
+        for node, caller in scan.calls:
+            if not node.args:
+                continue
+            func = node.func.value if isinstance(node.func, ast.Subscript) else node.func  # kernel[grid](...)
+            root = func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in foreign:
+                continue  # torch.randint(...), tl.load(...): not ours, whatever our own names are
+            candidates = [s for s in index.get(_last(func), []) if _names_passed(node.args, s)]
+            if not candidates:
+                continue
+            judged = [(s, _moves(node.args, s)) for s in candidates]
+            if all(moves for _, moves in judged):
+                sig, moves = judged[0]
+                yield Misplaced(rel, node.lineno, caller, sig, moves), sig, rel, node.lineno
+            else:
+                sig = next(s for s, moves in judged if not moves)
+                yield None, sig, rel, node.lineno
+
+
+def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
+    """The built-in check: a site per call in another order than its callee (or per definition that every
+    naming call disagrees with; see the module's text)."""
+    by_def: dict[Signature, list[tuple[Misplaced | None, str, int]]] = defaultdict(list)
+    for found, sig, rel, line in misplaced(modules):
+        by_def[sig].append((found, rel, line))
+    for sig, calls in by_def.items():
+        bad = [f for f, _, _ in calls if f is not None]
+        if not bad:
+            continue
+        declared = f"`{sig.name}` ({sig.file}:{sig.line}) declares ({', '.join(sig.params)})"
+        if len(bad) == len(calls) and len({f.moves for f in bad}) == 1 and len(bad) >= 2:
+            where = ", ".join(f"{f.file}:{f.line}" for f in bad)
+            yield Site(sig.file, sig.line, sig.name, f"{declared}, but all {len(bad)} calls that pass names "
+                       f"pass {bad[0].describe()} ({where}): the declaration's order is the odd one out")
+            continue
+        for f in bad:
+            yield Site(f.file, f.line, f.caller or sig.name, f"call of {declared} passes {f.describe()}")
+            if len(calls) == 1:
+                yield Site(sig.file, sig.line, sig.name, f"{declared}; its one call that passes names "
+                           f"({f.file}:{f.line}) passes {f.describe()}")
