@@ -26,6 +26,7 @@ RUNNER = "target_stack/engine/runner.py"
 PREFIX = "target_stack/engine/prefix.py"
 REPLAY = "target_stack/engine/replay_ssm.py"
 ENGINE = "target_stack/engine/engine.py"
+SEQUENCE = "target_stack/engine/sequence.py"
 TP = "target_stack/engine/tp.py"
 DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
 DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
@@ -173,24 +174,44 @@ def _components_off(model, tokens: list[int], tolerance: float) -> list[tuple[st
             if not s.startswith(("Block.forward", "HybridModel.forward"))]
 
 
-def _record(runner) -> list[tuple[int, int, str, torch.Tensor, int | None]]:
+def _positions(seq) -> int:
+    """A sequence's prompt positions counted here, from what the request carried: its tokens and the image
+    patches spliced in front of them."""
+    return len(seq.prompt) + (0 if seq.prompt_embeds is None else int(seq.prompt_embeds.shape[0]))
+
+
+def _record(runner, faults: dict[str, str]) -> list[tuple[int, int, str, torch.Tensor, int | None]]:
     """Wrap the runner's prefill and decode to record (sequence id, position, phase, logits, the first
-    position of the sequence computed from KV the engine had stored: None for a prefill from scratch)."""
+    position of the sequence computed from KV the engine had stored: None for a prefill from scratch).
+
+    Positions are counted here (prompt tokens, image patches, outputs), not read from the sequence's own
+    bookkeeping, which is under test too: where ``Sequence.num_prompt`` or ``Sequence.length`` disagree
+    with the count, the first disagreement of each lands in ``faults`` (symbol -> message)."""
     records: list[tuple[int, int, str, torch.Tensor, int | None]] = []
     prefill_from, decode = runner.prefill_from, runner.decode
     first_decode: dict[int, int] = {}
 
+    def audit(seq, symbol: str, got: int, want: int) -> None:
+        if got != want and symbol not in faults:
+            patches = _positions(seq) - len(seq.prompt)
+            faults[symbol] = (f"{symbol} is {got} for a sequence of {len(seq.prompt)} prompt tokens, {patches} "
+                              f"image patches and {len(seq.output)} outputs: {want} positions are in the cache "
+                              "(the engine places its keys and reads its pages by this count)")
+
     def recording_prefill(seq, tail=0):
         logits, tails = prefill_from(seq, tail)
-        records.append((seq.id, seq.num_prompt - 1, "prefix" if seq.reused else "prefill", logits.detach().clone(),
+        audit(seq, "Sequence.num_prompt", seq.num_prompt, _positions(seq))
+        records.append((seq.id, _positions(seq) - 1, "prefix" if seq.reused else "prefill", logits.detach().clone(),
                         seq.reused or None))
         return logits, tails
 
     def recording_decode(seqs):
         logits = decode(seqs)
         for row, s in enumerate(seqs):
-            first = first_decode.setdefault(s.id, s.length - 1)
-            records.append((s.id, s.length - 1, "decode", logits[row].detach().clone(), first))
+            at = _positions(s) + len(s.output) - 1  # the last output token, fed at the next position
+            audit(s, "Sequence.length", s.length, at + 1)
+            first = first_decode.setdefault(s.id, at)
+            records.append((s.id, at, "decode", logits[row].detach().clone(), first))
         return logits
 
     runner.prefill_from, runner.decode = recording_prefill, recording_decode
@@ -204,7 +225,8 @@ _WHERE = {"prefill": dict(file=RUNNER, symbol="ModelRunner.prefill_from"),
           "decode": dict(file=RUNNER, symbol="ModelRunner.decode / decode_step")}
 
 
-def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) -> tuple[list, float, object, int]:
+def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict,
+                    name: str = "") -> tuple[list, float, object, int]:
     """One run of the engine (``options``: LLMEngine arguments) on fresh weights and prompts: the
     recorded steps per sequence and phase as [(phase, condition, logits, float64 logits, (position,
     token, its logit, the argmax, its logit) of each token that is not its step's argmax, tokens,
@@ -221,7 +243,8 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
     ref.randomize_norms(model, draw.cpu)
     engine = LLMEngine(model, device=ctx.device, **{"page_size": p.get("page_size", 16), "prefix_cache": True,
                                                      "prefix_ring": p.get("prefix_ring", 64), **options})
-    records = _record(engine.runner)
+    faults: dict[str, str] = {}
+    records = _record(engine.runner, faults)
     vocab, n = model.cfg.vocab, p.get("max_tokens", 4)
     prompts = [draw.randint(vocab, (L,)).tolist() for L in p["prompt_lengths"]]
     side = 2 * model.cfg.patch
@@ -232,6 +255,8 @@ def _engine_attempt(ctx: ProbeContext, draw: Draw, config: dict, options: dict) 
     base = max(prompts, key=len)
     later = [base[:keep] + draw.randint(vocab, (extra,)).tolist() for keep, extra in p["reuse"]]
     second = engine.generate(later, SamplingParams(max_tokens=n))
+    for symbol, message in faults.items():
+        ctx.fail(message, file=SEQUENCE, symbol=symbol, condition=name or None)
     embeds = ref.image_encoder(model.image_encoder, f64(image))
     own_embeds = model.image_encoder(image)  # what the engine spliced in: for its own-forward comparison
     rows, margin = [], math.inf
@@ -303,7 +328,7 @@ def _check_config(ctx: ProbeContext, chk: Checker, config: dict, name: str) -> N
     for _ in range(3):  # a near-tie in a discrete choice of the model: other weights and prompts
         rows, margin, failed = [], math.inf, ctx.failed
         with chk.guard(file=ENGINE, symbol="LLMEngine.generate", condition=name):
-            rows, margin, model, preemptions = _engine_attempt(ctx, draw, config, options)
+            rows, margin, model, preemptions = _engine_attempt(ctx, draw, config, options, name)
             if preempts:
                 ctx.check(preemptions > 0, "no preemption: the probe's memory is too roomy for this configuration",
                           file="target_stack/engine/scheduler.py", symbol="Scheduler.schedule", condition=name)

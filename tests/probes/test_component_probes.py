@@ -42,9 +42,12 @@ CLUSTER = "target_stack/engine/disagg/cluster.py"
 SERVE = "target_stack/serve.py"
 NAIVE = "target_stack/ops/kda/naive.py"
 PREFIX = "target_stack/engine/prefix.py"
+SEQUENCE = "target_stack/engine/sequence.py"
 
 # name: (file, text, replacement)
 DEFECTS = {
+    "prompt positions without the image patches": (
+        SEQUENCE, "extra = 0 if self.prompt_embeds is None else self.prompt_embeds.shape[0]", "extra = 0"),
     "stored values read with the keys' scales": (
         KV_CACHE, "((self.k, self.k_scale), (self.v, self.v_scale)):\n            x = dequantize_kv",
         "((self.k, self.k_scale), (self.v, self.k_scale)):\n            x = dequantize_kv"),
@@ -260,6 +263,13 @@ def test_a_state_handed_on_wrong_is_blamed_on_the_layer_and_not_on_the_engine(tm
     # every output of a prefill is right; only the next step, from the handed-on state, is off
     r = _judge(tmp_path, ["prefill hands on the oldest convolution inputs"], ["engine.reference"])
     assert_caught(r["engine.reference"], (KDA_LAYER, "KDALayer.decode"))
+
+
+def test_the_sequences_position_count_is_blamed_for_an_image_prompt_placed_wrong(tmp_path):
+    # the engine places the image request's keys by the sequence's own count: the count is checked where
+    # the engine reads it, so the defect is named in the sequence, not in the engine that used it
+    r = _judge(tmp_path, ["prompt positions without the image patches"], ["engine.reference"])
+    assert_caught(r["engine.reference"], (SEQUENCE, "Sequence.num_prompt"), only=False)
 
 
 def test_scheduler_defects_that_outputs_hide_break_its_promises(tmp_path):
