@@ -80,8 +80,8 @@ def _function_params(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -
 
 
 def _is_classvar(annotation: ast.AST) -> bool:
-    return _last(annotation.value if isinstance(annotation, ast.Subscript) else annotation) in ("ClassVar",
-                                                                                                 "InitVar")
+    """``ClassVar[...]``: not a field.  (An ``InitVar`` is: ``__init__`` takes it in its place.)"""
+    return _last(annotation.value if isinstance(annotation, ast.Subscript) else annotation) == "ClassVar"
 
 
 def _field_init_false(value: ast.AST | None) -> bool:
@@ -139,7 +139,7 @@ def signatures(modules: Iterable[tuple[ast.Module, str]],
     """Every definition of the modules, by its last name."""
     scans = scans if scans is not None else {}
     index: dict[str, list[Signature]] = defaultdict(list)
-    records: dict[str, list[tuple[ast.ClassDef, str, str]]] = defaultdict(list)  # name -> (class, file, kind)
+    records: dict[str, list[tuple[ast.ClassDef, str]]] = defaultdict(list)  # dataclass name -> (class, file)
 
     def add_functions(body: list[ast.stmt], rel: str, method: bool) -> None:
         for node in body:
@@ -150,8 +150,9 @@ def signatures(modules: Iterable[tuple[ast.Module, str]],
 
     for tree, rel in modules:
         add_functions(tree.body, rel, method=False)
-        scan = scans[id(tree)] if id(tree) in scans else scans.setdefault(id(tree), _scan(tree))
-        for cls in scan.classes:
+        if id(tree) not in scans:
+            scans[id(tree)] = _scan(tree)
+        for cls in scans[id(tree)].classes:
             add_functions(cls.body, rel, method=True)
             init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
             decorators = {_last(d) for d in cls.decorator_list}
@@ -160,7 +161,7 @@ def signatures(modules: Iterable[tuple[ast.Module, str]],
                 if params is not None:
                     index[cls.name].append(Signature(cls.name, rel, cls.lineno, params))
             elif "dataclass" in decorators and not _kw_only(cls.decorator_list):
-                records[cls.name].append((cls, rel, "dataclass"))
+                records[cls.name].append((cls, rel))
             elif any(_last(b) == "NamedTuple" for b in cls.bases):
                 index[cls.name].append(Signature(cls.name, rel, cls.lineno, _own_fields(cls)))
 
@@ -179,7 +180,7 @@ def signatures(modules: Iterable[tuple[ast.Module, str]],
         return tuple(f for f in inherited if f not in own) + own
 
     for name, found in records.items():
-        for cls, rel, _ in found:
+        for cls, rel in found:
             params = fields(cls, frozenset({name}))
             if params is not None:
                 index[name].append(Signature(name, rel, cls.lineno, params))

@@ -175,7 +175,7 @@ def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
     return check(modules)
 
 
-#: per-file checks: (tree, relative path) -> sites
+#: name -> (metric, check): a check of one file, (tree, relative path) -> sites, or of them all (WHOLE_TREE)
 CHECKS: dict[str, tuple[str, Callable[..., Iterator[Site]]]] = {
     "dot_precision": ("implicit_precision", dot_precision),
     "gil_native": ("gil_holding_loads", gil_native),

@@ -242,3 +242,29 @@ def test_the_bundled_target_passes_and_a_swapped_record_fails_at_its_declaration
     assert bad.status == Status.failed and bad.metrics["misplaced_arguments"].value == 1
     assert bad.findings[0].location.file == "target_stack/engine/disagg/messages.py"
     assert bad.findings[0].location.symbol == "Prefilled"
+
+
+def test_an_initvar_is_a_parameter_in_its_place_and_a_classvar_is_not(tmp_path):
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/rec.py": """
+        from dataclasses import InitVar, dataclass
+        from typing import ClassVar
+
+
+        @dataclass
+        class Scaled:
+            a: int
+            kind: ClassVar[str] = "scaled"
+            scale: InitVar[float] = 1.0
+            b: int = 0
+
+
+        def make(a, scale, b):
+            return Scaled(a, scale, b), Scaled(a, scale, b)
+
+
+        def make_wrong(a, b, scale):
+            return Scaled(a, b, scale)
+        """})
+    sites = _sites(root)
+    assert [(s.file, s.symbol) for s in sites] == [("pkg/rec.py", "make_wrong")]
+    assert "declares (a, scale, b)" in sites[0].message
