@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from target_stack.model.derived import DerivedWeight, stack_rows
 from target_stack.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_chunk_kda, naive_recurrent_kda
 from target_stack.ops.kda.decode_inputs import CONV, kda_decode_inputs
 from target_stack.ops.norm import rms_norm
@@ -65,6 +66,14 @@ class KDALayer(torch.nn.Module):
         self.norm_w = torch.nn.Parameter(torch.ones(head_v))
         self.w_o = torch.nn.Parameter(torch.randn(dim, heads * head_v, generator=g) * (heads * head_v) ** -0.5)
         self.fused = False  # on the Triton path: the one-launch decode inputs and output norm (fused_kernels)
+        self._w_in = DerivedWeight(stack_rows)  # [w_qkv; w_f; w_g; w_b] for the fused decode step
+
+    def input_weight(self) -> torch.Tensor:
+        """The four projections of the layer's input stacked, [w_qkv; w_f; w_g; w_b]: the fused decode step
+        takes them as one product (one launch instead of four; at batch 1 each is a few microseconds of
+        launch around a matrix-vector product).  Remade after any change to a part (``DerivedWeight``);
+        w_b last keeps the wide slices of the product 16-byte aligned."""
+        return self._w_in((self.w_qkv, self.w_f, self.w_g, self.w_b))
 
     def _inputs(self, x: torch.Tensor, conv_state: torch.Tensor | None):
         B, T, _ = x.shape
@@ -82,15 +91,18 @@ class KDALayer(torch.nn.Module):
         beta = torch.sigmoid(F.linear(x, self.w_b))
         return (q, k, v, gate, beta), full  # full[:, i] is the convolution input of position i - (CONV - 1)
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, x: torch.Tensor, fused: bool | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """W_o (rmsnorm(o) * sigmoid(W_g x)); ``gate``: W_g x when already computed (the fused decode step)."""
         B, T = x.shape[:2]
         # rmsnorm per head times the output gate, in fp32: one launch instead of ten, with the Triton kernels
         if (self.fused and self.uses_triton(o)) if fused is None else fused:
-            gated = rms_norm(o, self.norm_w, 1e-6, gate=F.linear(x, self.w_g).reshape(o.shape), out_dtype=x.dtype)
+            gate = F.linear(x, self.w_g) if gate is None else gate
+            gated = rms_norm(o, self.norm_w, 1e-6, gate=gate.reshape(o.shape), out_dtype=x.dtype)
             return F.linear(gated.reshape(B, T, -1), self.w_o)
         of = o.float()
         normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_w
-        gated = normed.reshape(B, T, -1) * torch.sigmoid(F.linear(x, self.w_g))
+        gated = normed.reshape(B, T, -1) * torch.sigmoid(F.linear(x, self.w_g) if gate is None else gate)
         return F.linear(gated.to(x.dtype), self.w_o)
 
     def uses_triton(self, x: torch.Tensor) -> bool:
@@ -140,11 +152,12 @@ class KDALayer(torch.nn.Module):
         The KDA states and convolution tails are updated in place; slot 0 (padding) reads zeros and
         keeps them (the torch path writes it and resets it; the kernels never write it).
         """
-        if self.fused and self.uses_triton(x):  # the inputs in one launch (tails shifted in place), the kernel
-            inputs = kda_decode_inputs(F.linear(x, self.w_qkv), F.linear(x, self.w_f), F.linear(x, self.w_b),
-                                       conv_pool, slots, self.conv, self.dt_bias, self.A_log, self.H, self.K, self.V)
+        if self.fused and self.uses_triton(x):  # one product, the inputs in one launch (tails shifted in place)
+            H, K, V = self.H, self.K, self.V
+            pre, f, gate, b = F.linear(x, self.input_weight()).split([H * (2 * K + V), H * K, H * V, H], dim=-1)
+            inputs = kda_decode_inputs(pre, f, b, conv_pool, slots, self.conv, self.dt_bias, self.A_log, H, K, V)
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)
-            return self._output(o, x)
+            return self._output(o, x, gate=gate)
         inputs, full = self._inputs(x, conv_pool[slots])
         if self.uses_triton(x):
             o, _ = fused_recurrent_kda(*inputs, initial_state=kda_pool, ssm_state_indices=slots)

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from target_stack.model.derived import DerivedWeight
 from target_stack.ops.moe import (
     device_layout,
     expert_groups,
@@ -75,6 +76,11 @@ class SwiGLU(torch.nn.Module):
         return F.linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
 
 
+def _stack_small(parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate/up, down) of the experts and the shared expert, from their (w_gate, w_up, w_down) in turn."""
+    return stack_with_shared(parts[0::3], parts[1::3], parts[2::3], dtype)
+
+
 class MoE(torch.nn.Module):
     """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
 
@@ -98,7 +104,7 @@ class MoE(torch.nn.Module):
         # the two-launch experts of a decode-sized batch (ops/moe/small_batch.py), in forward_static: always,
         # never, None: on a GPU (set with the fused kernels: a graph-captured decode step 0.85x on the H200)
         self.small_batch: bool | None = False
-        self._small_cache: tuple | None = None
+        self._small_cache = DerivedWeight(_stack_small)
         self._stacked: tuple | None = None
         self._grouped_cache: tuple | None = None
         self._host_layout: HostLayout | None = None
@@ -171,17 +177,10 @@ class MoE(torch.nn.Module):
         return out.to(x.dtype).reshape(shape)
 
     def _small_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts and the shared expert stacked for the small-batch kernels (cached per dtype and
-        weight version)."""
+        """The experts and the shared expert stacked for the small-batch kernels (remade per dtype and
+        on any weight change)."""
         mods = [*self.experts, self.shared]
-        key = (dtype, tuple((w._version, w.data_ptr()) for m in mods for w in (m.w_gate, m.w_up, m.w_down)))
-        if self._small_cache is None or self._small_cache[0] != key:
-            self._small_cache = None  # the old copy goes before the new one is made
-            with torch.no_grad():
-                stacked = stack_with_shared([m.w_gate for m in mods], [m.w_up for m in mods],
-                                            [m.w_down for m in mods], dtype)
-            self._small_cache = (key, *stacked)
-        return self._small_cache[1], self._small_cache[2]
+        return self._small_cache([w for m in mods for w in (m.w_gate, m.w_up, m.w_down)], dtype)
 
     def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         wg, wu, wd = self.stacked_weights()

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from target_stack.model.derived import DerivedWeight, stack_rows
 from target_stack.model.kda_layer import KDALayer
-from target_stack.model.layers import MoE, RMSNorm, SwiGLU, dense_causal_attention, sparse_attention
+from target_stack.model.layers import MoE, RMSNorm, SwiGLU, dense_causal_attention, kernel_on, sparse_attention
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,17 @@ class SparseAttentionLayer(torch.nn.Module):
         # decode: the two-launch Triton attention (ops/sparse_decode.py) always, never, None: on a GPU
         # (set by HybridModel.set_fused_kernels)
         self.fused: bool | None = False
+        self._w_in = DerivedWeight(stack_rows)  # [w_qkv; w_idx]: one product where the kernels are on
 
     def project(self, x: torch.Tensor):
         """q, k, v [T, H, D] and the indexer's query and key [T, Di] for tokens x [T, dim]."""
         cfg = self.cfg
-        q, k, v = F.linear(x, self.w_qkv).split(cfg.attn_heads * cfg.attn_head_dim, dim=-1)
-        iq, ik = F.linear(x, self.w_idx).split(cfg.index_dim, dim=-1)
+        hd, di = cfg.attn_heads * cfg.attn_head_dim, cfg.index_dim
+        if kernel_on(x, self.fused):  # one launch instead of two (a decode step's products are launch-bound)
+            q, k, v, iq, ik = F.linear(x, self._w_in((self.w_qkv, self.w_idx))).split([hd, hd, hd, di, di], dim=-1)
+        else:
+            q, k, v = F.linear(x, self.w_qkv).split(hd, dim=-1)
+            iq, ik = F.linear(x, self.w_idx).split(di, dim=-1)
         shape = (x.shape[0], cfg.attn_heads, cfg.attn_head_dim)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape), iq, ik
 

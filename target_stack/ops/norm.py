@@ -25,7 +25,7 @@ from target_stack.ops.utils import CachedLaunch, alloc
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, gate, res, h, y, N, eps, BLOCK: tl.constexpr, GATED: tl.constexpr,
+def _rms_norm_kernel(x, w, gate, res, h, y, N, G, gs, eps, BLOCK: tl.constexpr, GATED: tl.constexpr,
                      RESIDUAL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -38,6 +38,9 @@ def _rms_norm_kernel(x, w, gate, res, h, y, N, eps, BLOCK: tl.constexpr, GATED: 
     wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
     out = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / N + eps) * wv
     if GATED:
+        # the gate's row r is at (r // G) * gs + (r % G) * N: a view into a wider product needs no copy
+        # (G = 1 and gs = N: contiguous); shifted here so that the load below reads it as r * N
+        gate = gate + (row // G) * (gs - G * N)
         out = out * tl.sigmoid(tl.load(gate + row * N + offs, mask=m, other=0.0).to(tl.float32))
     tl.store(y + row * N + offs, out.to(y.dtype.element_ty), mask=m)
 
@@ -58,16 +61,46 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gate: torch.Tensor | 
         raise ValueError(f"residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
     x = x.contiguous()
-    gate = gate.contiguous() if gate is not None else None
+    groups = (1, N)
+    if gate is not None:
+        groups = row_groups(gate)
+        if groups is None:
+            gate = gate.contiguous()
+            groups = (1, N)
     res = residual.contiguous() if residual is not None else None
     y = alloc(*x.shape, dtype=out_dtype or x.dtype, device=x.device)  # NaN while poisoning: every element written
     h = alloc(*x.shape, dtype=x.dtype, device=x.device) if res is not None else None
     rows = x.numel() // N if N else 0
     if rows:
-        key = (N, x.dtype, w.dtype, y.dtype, gate is not None and gate.dtype, res is not None, x.device)
+        key = (N, *groups, x.dtype, w.dtype, y.dtype, gate is not None and gate.dtype, res is not None, x.device)
         BLOCK = triton.next_power_of_2(N)
         _launch((rows, 1, 1), key, (x, w, gate if gate is not None else x, res if res is not None else x,
-                                    h if h is not None else x, y, N, float(eps)),
+                                    h if h is not None else x, y, N, *groups, float(eps)),
                 dict(BLOCK=BLOCK, GATED=gate is not None, RESIDUAL=res is not None,
                      num_warps=4 if BLOCK >= 1024 else 1))
     return y if res is None else (y, h)
+
+
+def row_groups(t: torch.Tensor) -> tuple[int, int] | None:
+    """(G, stride) such that row r of ``t`` (its last dimension being a row of N) starts at element
+    ``(r // G) * stride + (r % G) * N`` from t's first, or None when t's layout has no such form.
+
+    A contiguous tensor is (1, N).  The gate sliced from a wider projection, ``proj[..., a:a + H * V]``
+    viewed as [B, 1, H, V], is (H, proj.shape[-1]): H rows of V side by side, then the next token's."""
+    N = t.shape[-1]
+    if N > 1 and t.stride(-1) != 1:
+        return None
+    dims = [(n, st) for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n != 1]
+    G, inner = 1, N
+    while dims and dims[-1][1] == inner:  # the rows laid end to end
+        n, _ = dims.pop()
+        G, inner = G * n, inner * n
+    if not dims:
+        return 1, N
+    stride = dims[-1][1]
+    span = stride
+    for n, st in reversed(dims):  # what is left must be one run of groups at a common stride
+        if st != span:
+            return None
+        span *= n
+    return G, stride

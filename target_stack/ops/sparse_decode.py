@@ -28,14 +28,14 @@ from target_stack.ops.utils import alloc
 
 
 @triton.jit
-def _select_blocks_kernel(idx_q, idx_k, lengths, keep, L, NB, top_k, DI: tl.constexpr, BLOCK: tl.constexpr,
+def _select_blocks_kernel(idx_q, idx_k, lengths, keep, L, NB, top_k, s_iq, DI: tl.constexpr, BLOCK: tl.constexpr,
                           BL: tl.constexpr, BDI: tl.constexpr, BNB: tl.constexpr, BM: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     n_len = tl.load(lengths + b).to(tl.int64)
     o_l = tl.arange(0, BL)
     o_d = tl.arange(0, BDI)
     m_d = o_d < DI
-    b_iq = tl.load(idx_q + b * DI + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_iq = tl.load(idx_q + b * s_iq + o_d, mask=m_d, other=0.0).to(tl.float32)
     o_n = tl.arange(0, BNB)
     blk = tl.full([BNB], float("-inf"), dtype=tl.float32)
     for n in range(0, NB):
@@ -58,7 +58,7 @@ def _select_blocks_kernel(idx_q, idx_k, lengths, keep, L, NB, top_k, DI: tl.cons
 
 
 @triton.jit
-def _attend_kernel(q, k, v, keep, lengths, o, L, NB, window, sm_scale, H: tl.constexpr, D: tl.constexpr,
+def _attend_kernel(q, k, v, keep, lengths, o, L, NB, window, sm_scale, s_q, H: tl.constexpr, D: tl.constexpr,
                    BLOCK: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -66,7 +66,7 @@ def _attend_kernel(q, k, v, keep, lengths, o, L, NB, window, sm_scale, H: tl.con
     o_l = tl.arange(0, BL)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_q = tl.load(q + (b * H + h) * D + o_d, mask=m_d, other=0.0).to(tl.float32) * sm_scale
+    b_q = tl.load(q + b * s_q + h * D + o_d, mask=m_d, other=0.0).to(tl.float32) * sm_scale
     m_run = tl.full([1], -1.0e30, dtype=tl.float32)
     l_run = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BD], dtype=tl.float32)
@@ -105,7 +105,11 @@ def sparse_decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if lengths.shape != (B,) or block < 1 or top_k < 1 or window < 1:
         raise ValueError(f"lengths must be [B]={B}, block, top_k and window at least 1; got lengths "
                          f"{tuple(lengths.shape)}, block {block}, top_k {top_k}, window {window}")
-    q, k, v, idx_q, idx_k = (t.contiguous() for t in (q, k, v, idx_q, idx_k))
+    # q and idx_q may be read in place where each sequence's row is contiguous (slices of one projection);
+    # the cached keys are gathered contiguous anyway
+    q = q if q.stride(-1) == 1 and q.stride(1) == D else q.contiguous()
+    idx_q = idx_q if idx_q.stride(-1) == 1 else idx_q.contiguous()
+    k, v, idx_k = (t.contiguous() for t in (k, v, idx_k))
     NB = math.ceil(L / block)
     keep = alloc(B, NB, dtype=torch.float32, device=q.device)
     o = alloc(B, H, D, dtype=q.dtype, device=q.device)
@@ -113,8 +117,8 @@ def sparse_decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return o
     BL = max(triton.next_power_of_2(block), 16)
     BNB = max(triton.next_power_of_2(NB), 16)
-    _select_blocks_kernel[(B,)](idx_q, idx_k, lengths, keep, L, NB, top_k, DI=Di, BLOCK=block, BL=BL,
+    _select_blocks_kernel[(B,)](idx_q, idx_k, lengths, keep, L, NB, top_k, idx_q.stride(0), DI=Di, BLOCK=block, BL=BL,
                                 BDI=max(triton.next_power_of_2(Di), 16), BNB=BNB, BM=min(BNB, 32), num_warps=4)
-    _attend_kernel[(B, H)](q, k, v, keep, lengths, o, L, NB, window, 1.0 / math.sqrt(D), H=H, D=D, BLOCK=block,
+    _attend_kernel[(B, H)](q, k, v, keep, lengths, o, L, NB, window, 1.0 / math.sqrt(D), q.stride(0), H=H, D=D, BLOCK=block,
                            BL=BL, BD=max(triton.next_power_of_2(D), 16), num_warps=4)
     return o

@@ -128,3 +128,21 @@ def test_hybrid_model_serving_path_matches_the_reference_path(gen):
         model(torch.full((1, 3), model.cfg.vocab, device=dev))
     with pytest.raises(ValueError, match="unknown preset"):
         HybridModel("huge")
+
+
+def test_the_attention_projections_in_one_product_are_the_two(gen):
+    """With the kernels on, the attention layer projects through its stacked weights: the same q, k, v and
+    indexer query and key as its two separate products, and a weight changed in place is seen."""
+    from target_stack.model.model import PRESETS, SparseAttentionLayer
+
+    layer = SparseAttentionLayer(PRESETS["tiny"], gen)
+    x = torch.randn(5, PRESETS["tiny"].dim, generator=gen)
+    with torch.no_grad():
+        layer.fused = False
+        want = layer.project(x)
+        layer.fused = True
+        got = layer.project(x)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-6
+        layer.w_idx.mul_(2.0)
+        assert rel_err(layer.project(x)[3], 2 * want[3]) < 1e-6

@@ -62,3 +62,37 @@ def test_the_pooled_decode_step_through_the_fused_inputs_equals_the_torch_step(g
     assert rel_err(torch.cat(outs["triton"]), torch.cat(outs["torch"])) < 1e-5
     for a, b in zip(pools["triton"], pools["torch"], strict=True):
         assert rel_err(a[1:], b[1:]) < 1e-5 and not a[0].any()  # the null slot stays zero
+
+
+def test_slices_of_one_product_are_read_in_place(gen):
+    """pre, f and b as slices of one product of the stacked weights (what the fused decode step passes):
+    the same inputs as from three separate products, and the tails shifted the same."""
+    H, K, V, dim = 2, 16, 8, 24
+    layer = KDALayer(dim, H, K, V, generator=gen).to(DEVICE)
+    C = H * (2 * K + V)
+    x = torch.randn(3, 1, dim, generator=gen).to(DEVICE)
+    slots = torch.tensor([2, 0, 1], device=DEVICE)
+    pool = torch.randn(3, CONV - 1, C, generator=gen).to(DEVICE)
+    pool_split = pool.clone()
+    with torch.no_grad():
+        pre, f, gate, b = F.linear(x, layer.input_weight()).split([C, H * K, H * V, H], dim=-1)
+        assert not pre.is_contiguous() and not f.is_contiguous() and not b.is_contiguous()
+        got = kda_decode_inputs(pre, f, b, pool, slots, layer.conv, layer.dt_bias, layer.A_log, H, K, V)
+        want = kda_decode_inputs(F.linear(x, layer.w_qkv), F.linear(x, layer.w_f), F.linear(x, layer.w_b),
+                                 pool_split, slots, layer.conv, layer.dt_bias, layer.A_log, H, K, V)
+    for name, a, c in zip(("q", "k", "v", "g", "beta"), got, want, strict=True):
+        assert rel_err(a, c) < 1e-6, name
+    assert rel_err(gate, F.linear(x, layer.w_g)) < 1e-6
+    assert torch.equal(pool, pool_split)
+
+
+def test_the_stacked_weights_follow_an_in_place_change(gen):
+    """input_weight is a cache: a weight written in place (a probe, a loaded checkpoint) is in the next step."""
+    layer = KDALayer(16, 2, 8, 8, generator=gen).to(DEVICE)
+    first = layer.input_weight()
+    assert layer.input_weight() is first  # unchanged weights: the same tensor, no copy per step
+    with torch.no_grad():
+        layer.w_g.mul_(-1.0)
+    stacked = layer.input_weight()
+    assert stacked is not first
+    assert torch.equal(stacked, torch.cat([layer.w_qkv, layer.w_f, layer.w_g, layer.w_b]))

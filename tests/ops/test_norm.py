@@ -7,7 +7,7 @@ import torch
 
 from target_stack.model.layers import RMSNorm
 from target_stack.ops.kda.testing import DEVICE, rel_err
-from target_stack.ops.norm import rms_norm
+from target_stack.ops.norm import rms_norm, row_groups
 
 
 def ref64(x, w, eps, gate=None):
@@ -68,3 +68,33 @@ def test_the_modules_add_and_norm_equals_the_add_then_the_norm(fused, gen):
     # a stream and an update of different dtypes take the torch add (its promotion), not the kernel
     total, y = norm.add_forward(h, delta.double())
     assert total.dtype == torch.float64 and torch.equal(y, norm(h + delta.double()))
+
+
+@pytest.mark.parametrize("layout", ["slice", "slice_transposed", "sliced_rows"])
+def test_a_gate_read_in_place_from_a_wider_product(layout, gen):
+    """The KDA layer's gate is a slice of one product of its stacked projections: the kernel reads its rows
+    where they lie (``row_groups``), and gives what the same gate copied out gives."""
+    B, H, V, wide = 3, 4, 24, 150
+    proj = (torch.randn(B, 1, wide, generator=gen) * 4).to(DEVICE)
+    x = (torch.randn(B, 1, H, V, generator=gen) * 3).to(DEVICE)
+    gate = proj[..., 10:10 + H * V].reshape(B, 1, H, V)
+    if layout == "slice_transposed":  # [B, H, 1, V]: the same rows, the unit dimension moved
+        x, gate = x.transpose(1, 2), gate.transpose(1, 2)
+    elif layout == "sliced_rows":  # every row the first half of a wider row: groups of one
+        x, gate = x[:, 0], (torch.randn(B, H, 2 * V, generator=gen) * 4).to(DEVICE)[..., :V]
+    w = (torch.rand(V, generator=gen) + 0.5).to(DEVICE)
+    assert row_groups(gate) is not None and not gate.is_contiguous()
+    y = rms_norm(x, w, 1e-6, gate=gate)
+    assert rel_err(y, ref64(x, w, 1e-6, gate.contiguous())) < 1e-6
+    assert torch.equal(y, rms_norm(x, w, 1e-6, gate=gate.contiguous()))
+
+
+def test_row_groups_names_the_layouts_it_can_read_and_no_other():
+    t = torch.empty(2, 3, 4, 8)
+    assert row_groups(t) == (1, 8)  # contiguous
+    p = torch.empty(5, 1, 100)
+    assert row_groups(p[..., 4:36].reshape(5, 1, 4, 8)) == (4, 100)  # 4 rows side by side, then the next token's
+    assert row_groups(torch.empty(2, 3, 50)[..., :8]) == (1, 50)  # every row apart
+    assert row_groups(torch.empty(8, 4).t()) is None  # the row's own elements strided
+    assert row_groups(torch.empty(4, 6, 8)[:, ::2]) == (1, 16)  # every other row
+    assert row_groups(torch.empty(4, 6, 8).transpose(0, 1)) is None  # the outer dimensions out of order

@@ -61,3 +61,19 @@ def test_the_layer_function_takes_the_kernel_when_asked_and_refuses_bad_shapes(g
         sparse_decode_attention_kernel(q[:, :1], k, v, iq, ik, lens, 8, 2, 6)
     with pytest.raises(ValueError, match="lengths must be"):
         sparse_decode_attention_kernel(q, k, v, iq, ik, lens[:1], 8, 2, 6)
+
+
+def test_queries_sliced_from_one_projection_are_read_in_place(gen):
+    """The decode step's q and indexer query are slices of one product ([q | k | v | iq | ik] per token): the
+    kernel reads them where they lie and gives what their contiguous copies give."""
+    lengths, L, H, D, Di, block, top_k, window = [9, 33, 20], 40, 2, 16, 8, 8, 2, 4
+    _, k, v, _, ik = _batch(gen, lengths, L, H, D, Di, block, window)
+    proj = torch.randn(len(lengths), 3 * H * D + 2 * Di, generator=gen).to(DEVICE)
+    q, iq = proj[:, 5:5 + H * D].reshape(-1, H, D), proj[:, 3 * H * D:3 * H * D + Di]
+    assert not q.is_contiguous() and not iq.is_contiguous()
+    args = (k.to(DEVICE), v.to(DEVICE))
+    lens = torch.tensor(lengths, device=DEVICE)
+    got = sparse_decode_attention_kernel(q, *args, iq, ik.to(DEVICE), lens, block, top_k, window)
+    want = sparse_decode_attention_kernel(q.contiguous(), *args, iq.contiguous(), ik.to(DEVICE), lens, block, top_k,
+                                          window)
+    assert torch.equal(got, want)
