@@ -119,6 +119,6 @@ def sparse_decode_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     BNB = max(triton.next_power_of_2(NB), 16)
     _select_blocks_kernel[(B,)](idx_q, idx_k, lengths, keep, L, NB, top_k, idx_q.stride(0), DI=Di, BLOCK=block, BL=BL,
                                 BDI=max(triton.next_power_of_2(Di), 16), BNB=BNB, BM=min(BNB, 32), num_warps=4)
-    _attend_kernel[(B, H)](q, k, v, keep, lengths, o, L, NB, window, 1.0 / math.sqrt(D), q.stride(0), H=H, D=D, BLOCK=block,
-                           BL=BL, BD=max(triton.next_power_of_2(D), 16), num_warps=4)
+    _attend_kernel[(B, H)](q, k, v, keep, lengths, o, L, NB, window, 1.0 / math.sqrt(D), q.stride(0), H=H, D=D,
+                           BLOCK=block, BL=BL, BD=max(triton.next_power_of_2(D), 16), num_warps=4)
     return o
