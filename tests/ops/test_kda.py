@@ -16,6 +16,7 @@ from target_stack.ops.kda import (
     naive_chunk_kda,
     naive_recurrent_kda,
 )
+from target_stack.ops.kda.chunk import chunk_tiles, state_stages
 from target_stack.ops.kda.testing import DEVICE, make_inputs, rel_err
 
 TOL = 1e-5
@@ -150,6 +151,26 @@ def test_chunk_kda_bf16_inputs(gen):
     # then within ~2e-3 (H200, bench/RESULTS.md); the interpreter's dots are exact fp32
     state_tol = TOL if DEVICE == "cpu" else 1e-2
     assert o.dtype == torch.bfloat16 and rel_err(o, ro) < 1e-2 and rel_err(s, rs) < state_tol
+
+
+@pytest.mark.parametrize("K,V", [(16, 16), (32, 32), (64, 32), (128, 32), (128, 16), (64, 64), (128, 48),
+                                 (128, 128), (256, 128), (256, 32)])
+def test_the_prefill_s_tiles_and_stages_keep_the_rules_the_gpus_taught(K, V):
+    """What a GPU showed and the interpreter cannot (it runs 16-bit inputs on the fp32 path): 16-bit value
+    tiles at least 64 wide where V <= 32 or K < 64 (narrower ones came out wrong on H100 and H200, Triton
+    3.6), and state-kernel stages whose tiles fit the shared memory (bf16 at K = 256 asked for more)."""
+    for lowp in (False, True):
+        BK, BV = chunk_tiles(K, V, lowp)
+        assert BK >= K and BK & (BK - 1) == 0 and BV & (BV - 1) == 0 and BV >= 16
+        if lowp and (V <= 32 or K < 64):
+            assert BV >= 64
+        dtype = torch.bfloat16 if lowp else torch.float32
+        n = state_stages(64, BK, BV, dtype)
+        per_stage = (2 * 64 * BK + 64 * BV) * (2 if lowp else 4)
+        assert n >= 1 and (n == 1 or n * per_stage <= 160 * 1024)
+    # the measured choices at the bench shape (K = V = 128) stay: 3 stages for bf16 tiles, 2 for fp32
+    assert state_stages(64, 128, 32, torch.bfloat16) == 3 and state_stages(64, 128, 32, torch.float32) == 2
+    assert chunk_tiles(128, 128, True) == (128, 32) == chunk_tiles(128, 128, False)
 
 
 # --- fused recurrent -------------------------------------------------------------------------

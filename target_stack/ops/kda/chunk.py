@@ -334,6 +334,32 @@ def _kda_output_kernel(
     tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+def chunk_tiles(K: int, V: int, lowp: bool) -> tuple[int, int]:
+    """(BK, BV): the key tile (the whole head) and the value tile of the solve and state kernels."""
+    BK = block_size(K)
+    BV = min(block_size(V), 32 if BK > 64 else 64)
+    if lowp and BK < 64:
+        # Small heads in 16 bits take the (64, 64) tiles: with K = V = 16 (16- or 32-wide tiles) the
+        # solve kernel's bf16 products read past its shared memory on an H200 with Triton 3.6
+        # (compute-sanitizer) and came out wrong; the masks keep the wider tiles exact.
+        BK, BV = 64, 64
+    if lowp and V <= 32:
+        # Narrow values under wide keys too: K = 64 or 128 with V = 32 in 16 bits came out wrong on an H100
+        # with Triton 3.6 (rel. error ~1; fp32, and V >= 64, right) on 32-wide value tiles, while K = V = 32
+        # on the (64, 64) tiles was right (bench/RESULTS.md, 2026-12-05c): such values take a 64-wide tile
+        BV = 64
+    return BK, BV
+
+
+def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024) -> int:
+    """Pipeline stages of the state kernel: 3 for 16-bit tiles, 2 for fp32, fewer where the stages' w, kd
+    and u tiles would not leave the products' own scratch room in the shared memory (228 KB a block on an
+    H100 or H200).  bf16 at K = 256 took 3 and asked for 237568 bytes of 232448 (H100, 2026-12-05)."""
+    bits = torch.finfo(dtype).bits
+    per_stage = (2 * BT * BK + BT * BV) * bits // 8
+    return max(1, min(3 if bits == 16 else 2, budget // per_stage))
+
+
 def prepare_chunks(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chunk_seq, chunk_pos, chunk_offsets): the sequence and position of every chunk, and the
     index of each sequence's first chunk."""
@@ -416,13 +442,7 @@ def chunk_kda_fwd(
     # keep fp32 operands at ``precision`` throughout.  The interpreter's 16-bit dot is not
     # trustworthy, so it always takes the fp32 path.
     lowp = q.element_size() == 2 and not interpreting()
-    BK = block_size(K)
-    BV = min(block_size(V), 32 if BK > 64 else 64)
-    if lowp and BK < 64:
-        # Small heads in 16 bits take the (64, 64) tiles: with K = V = 16 (16- or 32-wide tiles) the
-        # solve kernel's bf16 products read past its shared memory on an H200 with Triton 3.6
-        # (compute-sanitizer) and came out wrong; the masks keep the wider tiles exact.
-        BK, BV = 64, 64
+    BK, BV = chunk_tiles(K, V, lowp)
     chunk_seq, chunk_pos, chunk_offsets = chunks
     NT = chunk_seq.numel()
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -468,7 +488,7 @@ def chunk_kda_fwd(
         kd, glast, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=3 if lowp else 2,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=state_stages(BT, BK, BV, mid["dtype"]),
     )
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
