@@ -1,7 +1,8 @@
 """chunk_kda over head sizes, varlen batches and dtypes on a GPU, output and state against float64.
 
-The reproducer of the 16-bit V = 32 fault (bench/RESULTS.md, 2026-12-05c); run with CUDA_LAUNCH_BLOCKING=1 so a
-fault is reported at its own launch: ``CUDA_LAUNCH_BLOCKING=1 python bench/kda_dtype_sweep.py``.
+The reproducer of the 16-bit V = 32 fault and of the fp16 one (bench/RESULTS.md, 2026-12-05c and d); run
+with CUDA_LAUNCH_BLOCKING=1 so a fault is reported at its own launch:
+``CUDA_LAUNCH_BLOCKING=1 python bench/kda_dtype_sweep.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from target_stack.ops.kda import chunk_kda, naive_chunk_kda
 from target_stack.ops.kda.testing import make_inputs, rel_err
 
-HEADS = ((64, 32), (64, 64), (32, 32), (128, 128), (64, 128), (128, 32), (128, 48), (16, 16))
+HEADS = ((64, 32), (64, 64), (32, 32), (128, 128), (64, 128), (128, 32), (128, 48), (16, 16), (256, 128),
+         (256, 32), (128, 16), (32, 64))
 
 
 def main() -> int:

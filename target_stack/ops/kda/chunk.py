@@ -437,16 +437,18 @@ def chunk_kda_fwd(
     n_seq = cu_seqlens.numel() - 1
     BT = CHUNK_SIZE
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    # 16-bit inputs: the chunk products take 16-bit operands (fp32 accumulate) and the triangular
+    # 16-bit inputs: the chunk products take bf16 operands (fp32 accumulate) and the triangular
     # inverse runs at tf32, as in flash-linear-attention: the output is 16-bit anyway.  fp32 inputs
     # keep fp32 operands at ``precision`` throughout.  The interpreter's 16-bit dot is not
-    # trustworthy, so it always takes the fp32 path.
+    # trustworthy, so it always takes the fp32 path.  fp16 inputs keep bf16 intermediates too (the
+    # products are bf16's either way): fp16 buffers read into the bf16 products faulted with an illegal
+    # memory access on an H100 with Triton 3.6 (bench/RESULTS.md, 2026-12-05d), where bf16 was right.
     lowp = q.element_size() == 2 and not interpreting()
     BK, BV = chunk_tiles(K, V, lowp)
     chunk_seq, chunk_pos, chunk_offsets = chunks
     NT = chunk_seq.numel()
     f32 = dict(dtype=torch.float32, device=q.device)
-    mid = dict(dtype=q.dtype if lowp else torch.float32, device=q.device)  # what the products take
+    mid = dict(dtype=torch.bfloat16 if lowp else torch.float32, device=q.device)  # what the products take
     BC = 16  # the diagonal blocks: 16 x 16, NC of them per chunk
     NC = BT // BC
     Akd = alloc(B, T, H, BC, **f32)  # the diagonal blocks of L (fp32: the inverse's input)
