@@ -2,7 +2,7 @@
 
 The reproducer of the 16-bit V = 32 fault and of the fp16 one (bench/RESULTS.md, 2026-12-05c and d); run
 with CUDA_LAUNCH_BLOCKING=1 so a fault is reported at its own launch:
-``CUDA_LAUNCH_BLOCKING=1 python bench/kda_dtype_sweep.py``.
+``CUDA_LAUNCH_BLOCKING=1 python bench/kda_dtype_sweep.py [bfloat16 float16 float32]`` (default: all three).
 """
 
 from __future__ import annotations
@@ -19,12 +19,20 @@ HEADS = ((64, 32), (64, 64), (32, 32), (128, 128), (64, 128), (128, 32), (128, 4
          (256, 32), (128, 16), (32, 64))
 
 
-def main() -> int:
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def main(names: list[str]) -> int:
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown:
+        print(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
+        return 2
+    dtypes = [DTYPES[n] for n in names] or list(DTYPES.values())
     if not torch.cuda.is_available():
         print("needs a GPU: the interpreter runs the fp32 path for 16-bit inputs too")
         return 2
     bad = 0
-    for (K, V), n, T, dt in itertools.product(HEADS, (1, 3), (300, 64), (torch.bfloat16, torch.float16, torch.float32)):
+    for (K, V), n, T, dt in itertools.product(HEADS, (1, 3), (300, 64), dtypes):
         x = make_inputs(1, T, 5, K, V, dtype=dt, device="cuda", decay_shift=3.0)
         cuts = sorted(torch.randperm(T - 1)[: n - 1].add(1).tolist())
         cu = torch.tensor([0, *cuts, T], dtype=torch.int32, device="cuda")
@@ -49,4 +57,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

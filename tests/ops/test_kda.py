@@ -16,7 +16,7 @@ from target_stack.ops.kda import (
     naive_chunk_kda,
     naive_recurrent_kda,
 )
-from target_stack.ops.kda.chunk import chunk_tiles, state_stages
+from target_stack.ops.kda.chunk import chunk_tiles, solve_tiles, state_stages
 from target_stack.ops.kda.testing import DEVICE, make_inputs, rel_err
 
 TOL = 1e-5
@@ -157,13 +157,16 @@ def test_chunk_kda_bf16_inputs(gen):
                                  (128, 128), (256, 128), (256, 32)])
 def test_the_prefill_s_tiles_and_stages_keep_the_rules_the_gpus_taught(K, V):
     """What a GPU showed and the interpreter cannot (it runs 16-bit inputs on the fp32 path): 16-bit value
-    tiles at least 64 wide where V <= 32 or K < 64 (narrower ones came out wrong on H100 and H200, Triton
-    3.6), and state-kernel stages whose tiles fit the shared memory (bf16 at K = 256 asked for more)."""
+    tiles at least 64 wide where V <= 32 or K < 64 and 16-bit solve slices at least 64 wide (narrower ones
+    came out wrong on H100 and H200, Triton 3.6), and state-kernel stages whose tiles fit the shared memory
+    (bf16 at K = 256 asked for more)."""
     for lowp in (False, True):
         BK, BV = chunk_tiles(K, V, lowp)
         assert BK >= K and BK & (BK - 1) == 0 and BV & (BV - 1) == 0 and BV >= 16
         if lowp and (V <= 32 or K < 64):
             assert BV >= 64
+        BKS, BVS = solve_tiles(BK, BV, lowp)  # the solve's slices: 16-bit ones at least 64 wide (fp16 values
+        assert BKS <= BK and BVS >= BV and (not lowp or min(BKS, BVS) >= 64)  # on 32 went wrong, 2026-12-05e)
         dtype = torch.bfloat16 if lowp else torch.float32
         n = state_stages(64, BK, BV, dtype)
         per_stage = (2 * 64 * BK + 64 * BV) * (2 if lowp else 4)

@@ -351,6 +351,18 @@ def chunk_tiles(K: int, V: int, lowp: bool) -> tuple[int, int]:
     return BK, BV
 
 
+def solve_tiles(BK: int, BV: int, lowp: bool) -> tuple[int, int]:
+    """(key slice, value slice) of the solve kernel's products T (exp(G) k) and T v.
+
+    16-bit inputs take slices at least 64 wide on both: 16-bit products on 32-wide key slices came out wrong
+    on an H200 with Triton 3.6 (and read out of bounds), and so did T v on 32-wide value slices of fp16
+    values (K = 96, 128 or 256 with V >= 64: rel. error 5-10 on an H200, an illegal memory access on an
+    H100, while bf16 on the same tiles was right; bench/RESULTS.md, 2026-12-05e).  The masks keep the wider
+    slices exact; the state kernel keeps its own (narrower, faster) value tile."""
+    BKS = max(min(BK, LAUNCH["solve_keys"]), 64 if lowp else 16)
+    return BKS, max(BV, 64) if lowp else BV
+
+
 def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024) -> int:
     """Pipeline stages of the state kernel: 3 for 16-bit tiles, 2 for fp32, fewer where the stages' w, kd
     and u tiles would not leave the products' own scratch room in the shared memory (228 KB a block on an
@@ -441,8 +453,7 @@ def chunk_kda_fwd(
     # inverse runs at tf32, as in flash-linear-attention: the output is 16-bit anyway.  fp32 inputs
     # keep fp32 operands at ``precision`` throughout.  The interpreter's 16-bit dot is not
     # trustworthy, so it always takes the fp32 path.  fp16 inputs keep bf16 intermediates too (the
-    # products are bf16's either way): fp16 buffers read into the bf16 products faulted with an illegal
-    # memory access on an H100 with Triton 3.6 (bench/RESULTS.md, 2026-12-05d), where bf16 was right.
+    # products are bf16's either way), and the solve's slices of their values are 64 wide (``solve_tiles``).
     lowp = q.element_size() == 2 and not interpreting()
     BK, BV = chunk_tiles(K, V, lowp)
     chunk_seq, chunk_pos, chunk_offsets = chunks
@@ -468,12 +479,10 @@ def chunk_kda_fwd(
     kd = alloc(B, T, H, K, **mid)
     qg = alloc(B, T, H, K, **mid)
     glast = alloc(NT, H, K, **f32)
-    # the solve's key slices: 16-bit products on 32-wide slices came out wrong on an H200 with Triton 3.6
-    # (and read out of bounds), as the small heads' tiles did: 16-bit inputs take at least 64
-    BKS = max(min(BK, LAUNCH["solve_keys"]), 64 if lowp else 16)
+    BKS, BVS = solve_tiles(BK, BV, lowp)
     _kda_solve_kernel[(NT, H)](
         q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
-        H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BV, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
+        H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BVS, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
         LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
         num_warps=LAUNCH["solve_warps"],
     )
