@@ -81,6 +81,16 @@ def _stack_small(parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.T
     return stack_with_shared(parts[0::3], parts[1::3], parts[2::3], dtype)
 
 
+def _stack_experts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 [E, H, D], [E, H, D], [E, D, H] from each expert's (w_gate, w_up, w_down) in turn."""
+    return tuple(torch.stack([w.float() for w in parts[i::3]]).contiguous() for i in range(3))
+
+
+def _stack_grouped(parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs' (gate/up, down) layout in ``dtype``, from the same parts."""
+    return grouped_gemm_weights(*_stack_experts(parts), dtype)
+
+
 class MoE(torch.nn.Module):
     """Sigmoid-routed top-k mixture of SwiGLU experts plus one shared expert.
 
@@ -105,8 +115,8 @@ class MoE(torch.nn.Module):
         # never, None: on a GPU (set with the fused kernels: a graph-captured decode step 0.85x on the H200)
         self.small_batch: bool | None = False
         self._small_cache = DerivedWeight(_stack_small)
-        self._stacked: tuple | None = None
-        self._grouped_cache: tuple | None = None
+        self._stacked = DerivedWeight(_stack_experts)
+        self._grouped_cache = DerivedWeight(_stack_grouped)
         self._host_layout: HostLayout | None = None
         self.router = torch.nn.Parameter(torch.randn(n_experts, dim, generator=generator) * dim**-0.5)
         self.router_bias = torch.nn.Parameter(torch.zeros(n_experts))
@@ -124,13 +134,12 @@ class MoE(torch.nn.Module):
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert weights as [E, H, D], [E, H, D], [E, D, H] (cached; rebuilt if a weight changes)."""
-        key = tuple((e.w_gate._version, e.w_up._version, e.w_down._version) for e in self.experts)
-        if self._stacked is None or self._stacked[0] != key:
-            with torch.no_grad():
-                w = tuple(torch.stack([getattr(e, n).float() for e in self.experts]).contiguous()
-                          for n in ("w_gate", "w_up", "w_down"))
-            self._stacked = (key, w)
-        return self._stacked[1]
+        return self._stacked(self._parts(self.experts))
+
+    @staticmethod
+    def _parts(mods) -> list[torch.Tensor]:
+        """Each module's (w_gate, w_up, w_down) in turn: the parts a derived weight is keyed on."""
+        return [w for m in mods for w in (m.w_gate, m.w_up, m.w_down)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -179,15 +188,11 @@ class MoE(torch.nn.Module):
     def _small_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts and the shared expert stacked for the small-batch kernels (remade per dtype and
         on any weight change)."""
-        mods = [*self.experts, self.shared]
-        return self._small_cache([w for m in mods for w in (m.w_gate, m.w_up, m.w_down)], dtype)
+        return self._small_cache(self._parts([*self.experts, self.shared]), dtype)
 
     def _grouped_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        wg, wu, wd = self.stacked_weights()
-        key = ("grouped", dtype, wg.data_ptr())
-        if self._grouped_cache is None or self._grouped_cache[0] != key:
-            self._grouped_cache = (key, *grouped_gemm_weights(wg, wu, wd, dtype))
-        return self._grouped_cache[1], self._grouped_cache[2]
+        """The experts laid out for the grouped GEMMs (remade per dtype and on any weight change)."""
+        return self._grouped_cache(self._parts(self.experts), dtype)
 
     def _grouped(self, x2: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         order, offs = device_layout(idx, len(self.experts))

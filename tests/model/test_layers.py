@@ -31,6 +31,38 @@ def test_moe_grouped_equals_dense_reference_and_uses_every_chosen_expert(gen):
         MoE(8, 8, 4, 5)
 
 
+def test_the_moe_s_derived_layouts_follow_every_weight_change(gen):
+    """The fp32 stacks, the grouped GEMMs' layout and the small-batch stack are remade after an in-place
+    write to one expert's weight and after a weight is replaced, and per dtype: each is what its builder
+    makes from the weights as they are now (a stale layout would compute with the old weights)."""
+    moe = MoE(dim=16, hidden=24, n_experts=4, top_k=2, generator=gen)
+
+    def fresh():
+        wg, wu, wd = (torch.stack([getattr(e, n).float() for e in moe.experts]) for n in ("w_gate", "w_up", "w_down"))
+        return (wg, wu, wd), (torch.cat([wg, wu], 1).transpose(1, 2), wd.transpose(1, 2))
+
+    def check(dtype):
+        stacks, grouped = fresh()
+        assert all(torch.equal(a, b) for a, b in zip(moe.stacked_weights(), stacks, strict=True))
+        got = moe._grouped_weights(dtype)
+        assert all(a.dtype == dtype and torch.equal(a, b.to(dtype)) for a, b in zip(got, grouped, strict=True))
+        gu, down = moe._small_weights(dtype)
+        assert torch.equal(gu[-1], torch.cat([moe.shared.w_gate, moe.shared.w_up]).to(dtype))
+        assert torch.equal(down[2], moe.experts[2].w_down.to(dtype))
+
+    check(torch.float32)
+    with torch.no_grad():
+        moe.experts[1].w_up.mul_(-3.0)  # in place: the version counter moves
+        moe.shared.w_gate.add_(1.0)
+    check(torch.float32)
+    with torch.no_grad():
+        moe.experts[2].w_down.data = torch.randn(moe.experts[2].w_down.shape, generator=gen)  # new storage
+    check(torch.float32)
+    check(torch.bfloat16)
+    first = moe._grouped_weights(torch.float32)
+    assert moe._grouped_weights(torch.float32)[0] is first[0]  # unchanged weights: the cached layout
+
+
 def test_sparse_attention_equals_dense_within_top_k(gen):
     T, H, D, Di, block = 40, 2, 16, 8, 8
     q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
