@@ -23,6 +23,7 @@ from target_stack.ops.utils import resolve_dot_precision
 
 DECODE_BATCHES = (1, 16, 64, 256)
 BF16_STATE = "target_stack, bf16 state"
+FUSED_OUTPUT = "target_stack, fused output"
 DECODE_SHAPE = dict(H=32, K=128, V=128)
 PREFILL_TOKENS = (4096, 32768)
 PREFILL_SHAPE = dict(H=16, K=128, V=128)
@@ -112,11 +113,16 @@ def bench_decode(copy_bw: float, fla) -> list[dict]:
             rows.append(row)
         for s in sets:
             s.pop("pool_bf16", None)
-        fla_us = next((r.get("kernel_us") for r in rows[-len(impls):] if r["impl"] == "fla"), None)
-        for r in rows[-len(impls):]:
-            if fla_us and r.get("kernel_us"):
-                r["speedup_vs_fla"] = fla_us / r["kernel_us"]
+        _vs_fla(rows[-len(impls):])
     return rows
+
+
+def _vs_fla(rows: list[dict]) -> None:
+    """fla's kernel time over each row's, for one case and size measured in the same run."""
+    fla_us = next((r.get("kernel_us") for r in rows if r["impl"] == "fla"), None)
+    for r in rows:
+        if fla_us and r.get("kernel_us"):
+            r["speedup_vs_fla"] = fla_us / r["kernel_us"]
 
 
 def bench_state_drift(steps: int = 4096, batch: int = 4, checkpoints=(16, 256, 1024, 4096)) -> list[dict]:
@@ -160,9 +166,9 @@ def bench_prefill(copy_bw: float, fla) -> list[dict]:
         cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
         chunks = prepare_chunks(cu, CHUNK_SIZE)
 
-        def ours_kernel(s):
+        def ours_kernel(s, fuse=False):
             return lambda: chunk_kda_fwd(s["q"], s["k"], s["v"], s["g"], s["beta"], K**-0.5, None, True, cu, chunks,
-                                         precision)
+                                         precision, fuse_output=fuse)
 
         def ours_eager(s):
             return lambda: chunk_kda(s["q"], s["k"], s["v"], s["g"], s["beta"], output_final_state=True)
@@ -179,10 +185,15 @@ def bench_prefill(copy_bw: float, fla) -> list[dict]:
         row = _measure("target_stack", ours_kernel, sets, nbytes, copy_bw)
         row["eager_us"] = eager_time(ours_eager(s0)) * 1e6  # chunk_kda syncs on the host: no graph capture
         checked(row, ours_eager(s0))
+        # the output inside the recurrence (chunk.FUSE_OUTPUT, not the default): one launch fewer, no per-chunk
+        # states in memory, a longer sequential kernel; timed beside the default form in the same run
+        checked(_measure(FUSED_OUTPUT, lambda s: ours_kernel(s, fuse=True), sets, nbytes, copy_bw),
+                ours_kernel(s0, fuse=True))
         if fla is not None:
             def theirs(s, fla_chunk=fla[0]):
                 return lambda: fla_chunk(s["q"], s["k"], s["v"], s["g"], s["beta"], output_final_state=True)
             checked(_measure("fla", theirs, sets, nbytes, copy_bw), theirs(s0))
+        _vs_fla([r for r in rows if r["tokens"] == T])
     return rows
 
 
@@ -192,7 +203,11 @@ def smoke() -> dict:
     ro, rs = naive_recurrent_kda(*(t.double() for t in x), output_final_state=True)
     o1, s1 = chunk_kda(*x, output_final_state=True)
     o2, s2 = fused_recurrent_kda(*x, output_final_state=True)
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    o3, s3 = chunk_kda_fwd(*x, 32**-0.5, None, True, cu, prepare_chunks(cu, CHUNK_SIZE),
+                           resolve_dot_precision(None, x[0].device), fuse_output=True)
     return {"chunk_kda": max(rel_err(o1, ro), rel_err(s1, rs)),
+            "chunk_kda, fused output": max(rel_err(o3, ro), rel_err(s3, rs)),
             "fused_recurrent_kda": max(rel_err(o2, ro), rel_err(s2, rs))}
 
 

@@ -118,6 +118,30 @@ def test_both_forms_of_the_diagonal_blocks_are_exact(by_token, gen, monkeypatch)
         assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
 
 
+@pytest.mark.parametrize("V,h0", [(16, True), (48, False)])
+def test_the_output_fused_into_the_recurrence_is_the_prefill(V, h0, gen, monkeypatch):
+    """FUSE_OUTPUT: the state kernel writes each chunk's output tile itself (no per-chunk states, no
+    corrected values in memory).  Packed sequences that end inside a chunk, one shorter than a chunk, an
+    initial state, V over several tiles: exact against float64 and equal to the two-kernel form."""
+    from target_stack.ops.kda import chunk as chunk_module
+
+    lens = [9, 70, 1, 64, 40]
+    T, H, K = sum(lens), 2, 32
+    x = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    s0 = torch.randn(len(lens), H, K, V, generator=gen).to(DEVICE) if h0 else None
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(chunk_module, "FUSE_OUTPUT", fused)
+        outs[fused] = chunk_kda(*x, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    o, s = outs[True]
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        ro, rs = ref64(*(t[:, a:b] for t in x), h0=None if s0 is None else s0[n : n + 1])
+        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
+    assert rel_err(o, outs[False][0]) < TOL and torch.equal(s, outs[False][1])  # the recurrence is untouched
+
+
 @pytest.mark.parametrize("keys", [16, 64])
 def test_the_solve_s_key_slices_give_the_same_prefill(keys, gen, monkeypatch):
     """The solve kernel runs over slices of the key channels (the cumulative decay is per channel): 48 keys
@@ -168,9 +192,10 @@ def test_the_prefill_s_tiles_and_stages_keep_the_rules_the_gpus_taught(K, V):
         BKS, BVS = solve_tiles(BK, BV, lowp)  # the solve's slices: 16-bit ones at least 64 wide (fp16 values
         assert BKS <= BK and BVS >= BV and (not lowp or min(BKS, BVS) >= 64)  # on 32 went wrong, 2026-12-05e)
         dtype = torch.bfloat16 if lowp else torch.float32
-        n = state_stages(64, BK, BV, dtype)
-        per_stage = (2 * 64 * BK + 64 * BV) * (2 if lowp else 4)
-        assert n >= 1 and (n == 1 or n * per_stage <= 160 * 1024)
+        for fused in (False, True):  # the fused output's stages hold its qg and P tiles too
+            n = state_stages(64, BK, BV, dtype, fused=fused)
+            per_stage = (2 * 64 * BK + 64 * BV + (64 * BK + 64 * 64) * fused) * (2 if lowp else 4)
+            assert n >= 1 and (n == 1 or n * per_stage <= 160 * 1024)
     # the measured choices at the bench shape (K = V = 128) stay: 3 stages for bf16 tiles, 2 for fp32
     assert state_stages(64, 128, 32, torch.bfloat16) == 3 and state_stages(64, 128, 32, torch.float32) == 2
     assert chunk_tiles(128, 128, True) == (128, 32) == chunk_tiles(128, 128, False)

@@ -14,7 +14,8 @@ Four kernels, the usual split of a chunked linear-attention forward:
 2. ``_kda_state_kernel`` (one program per sequence, head and V tile; sequential over chunks):
    stores the state entering each chunk, the effective values u' = u - w S, and advances
    S <- Diag(exp(G_C)) S + (k exp(G_C - G))^T u'.
-3. ``_kda_output_kernel`` (all chunks in parallel): o = (scale q exp(G)) S_in + P u'.
+3. ``_kda_output_kernel`` (all chunks in parallel): o = (scale q exp(G)) S_in + P u'.  Or (``FUSE_OUTPUT``)
+   the state kernel computes it per chunk from the S_in and u' it holds, and neither goes to memory.
 
 Variable-length batches are packed along T and described by ``cu_seqlens`` (as in
 flash-linear-attention); chunks never straddle a sequence boundary.  Everything accumulates in
@@ -33,6 +34,13 @@ from target_stack.ops.utils import alloc, block_size, check_kda_inputs, interpre
 #: block as one 3-D product (False, ``_kda_diag_block_kernel``), or (None) by token on a GPU and by block in
 #: the interpreter
 DIAG_BY_TOKEN: bool | None = None
+
+#: the output computed inside the recurrence (True: ``_kda_state_kernel`` writes o and never stores the
+#: per-chunk states or corrected values, one launch and their round trip through memory fewer, on a
+#: sequential kernel that gets two more products per chunk) or by ``_kda_output_kernel`` in parallel over
+#: chunks (False: the default until a GPU shows the fused form faster; ``python -m target_stack.bench kda``
+#: times both side by side)
+FUSE_OUTPUT = False
 
 #: launch shapes: heads and warps of a diagonal-token program; warps and key-slice width of a solve program.
 #: On an H200 at 4096 tokens (H=16, K=V=128, bf16; bench/RESULTS.md, 2026-12-04): the token kernel took 59 us
@@ -251,13 +259,16 @@ def _kda_solve_kernel(
 
 @triton.jit
 def _kda_state_kernel(
-    kd, glast, w, u, v_new, h, h0, ht,
+    kd, glast, w, u, v_new, h, h0, ht, qg, Pqk, o,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, FUSE_OUTPUT: tl.constexpr,
     LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """The recurrence over one sequence's chunks for one head and V tile.  Without FUSE_OUTPUT it stores
+    each chunk's entering state (``h``) and corrected values (``v_new``) for ``_kda_output_kernel``; with
+    it, it computes that chunk's output tile itself from the same two, which then never leave registers."""
     i_v = tl.program_id(0)
     i_n = tl.program_id(1).to(tl.int64)
     i_h = tl.program_id(2)
@@ -281,7 +292,8 @@ def _kda_state_kernel(
     # loads are in flight while this chunk's products run
     for i_c in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_c * BT
-        tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
+        if not FUSE_OUTPUT:
+            tl.store(h + ((c0 + i_c) * H + i_h) * K * V + off_kv, b_S.to(h.dtype.element_ty), mask=m_kv)
         m_t = (t0 + rows) < eos
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -290,7 +302,14 @@ def _kda_state_kernel(
         b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
         b_u = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - _dot(b_w, b_S, LOWP, DOT_PRECISION)
-        tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
+        if FUSE_OUTPUT:  # o = (scale q exp(G)) S_in + P u', as _kda_output_kernel computes it
+            b_qg = tl.load(qg + off_tk, mask=m_tk, other=0.0)
+            b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :],
+                          mask=m_t[:, None] & (rows[:, None] >= rows[None, :]), other=0.0)  # only j <= i is written
+            b_o = _dot(b_qg, b_S, LOWP, DOT_PRECISION) + _dot(b_P, b_vn, LOWP, DOT_PRECISION)
+            tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        else:
+            tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
 
         g_last = tl.load(glast + ((c0 + i_c) * H + i_h) * K + o_k, mask=m_k, other=0.0)  # G at the chunk's end
         b_kd = tl.load(kd + off_tk, mask=m_tk, other=0.0)  # k exp(G_last - G), zero past the end
@@ -364,12 +383,14 @@ def solve_tiles(BK: int, BV: int, lowp: bool) -> tuple[int, int]:
     return BKS, max(BV, 64) if lowp else BV
 
 
-def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024) -> int:
+def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024,
+                 fused: bool = False) -> int:
     """Pipeline stages of the state kernel: 3 for 16-bit tiles, 2 for fp32, fewer where the stages' w, kd
     and u tiles would not leave the products' own scratch room in the shared memory (228 KB a block on an
-    H100 or H200).  bf16 at K = 256 took 3 and asked for 237568 bytes of 232448 (H100, 2026-12-05)."""
+    H100 or H200).  bf16 at K = 256 took 3 and asked for 237568 bytes of 232448 (H100, 2026-12-05).  With the
+    output fused (``fused``) a stage also holds the chunk's qg and P tiles."""
     bits = torch.finfo(dtype).bits
-    per_stage = (2 * BT * BK + BT * BV) * bits // 8
+    per_stage = (2 * BT * BK + BT * BV + ((BT * BK + BT * BT) if fused else 0)) * bits // 8
     return max(1, min(3 if bits == 16 else 2, budget // per_stage))
 
 
@@ -440,8 +461,10 @@ def chunk_kda_fwd(
     cu_seqlens: torch.Tensor,
     chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     precision: str,
+    fuse_output: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The launches of :func:`chunk_kda` on validated inputs and prepared chunk indices.
+    """The launches of :func:`chunk_kda` on validated inputs and prepared chunk indices; ``fuse_output``
+    (None: ``FUSE_OUTPUT``) computes the output inside the recurrence.
 
     No host synchronisation happens here, so a CUDA graph can capture it.
     """
@@ -487,8 +510,13 @@ def chunk_kda_fwd(
         LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
         num_warps=LAUNCH["solve_warps"],
     )
-    h = alloc(NT, H, K, V, **mid)  # per-chunk entering states and corrected values: read by
-    v_new = alloc(B, T, H, V, **mid)  # the output kernel's products only (16-bit for 16-bit inputs)
+    fuse = FUSE_OUTPUT if fuse_output is None else fuse_output
+    if not fuse:
+        h = alloc(NT, H, K, V, **mid)  # per-chunk entering states and corrected values: read by
+        v_new = alloc(B, T, H, V, **mid)  # the output kernel's products only (16-bit for 16-bit inputs)
+    else:
+        h = v_new = None  # the state kernel writes the output itself: neither is ever stored
+    o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     ht = alloc(n_seq, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     NV = triton.cdiv(V, BV)
@@ -497,12 +525,14 @@ def chunk_kda_fwd(
     # 2 / 3 / 4 stages; BV=32 and 4 warps stay the fastest (bench/RESULTS.md, 2026-12-03).  fp32 operands
     # take two: three stages of their tiles (72 KB each at K=128) would not fit the shared memory
     _kda_state_kernel[(NV, n_seq, H)](
-        kd, glast, w, u, v_new, h, h0, ht, cu_seqlens, chunk_offsets,
+        kd, glast, w, u, v_new, h, h0, ht, qg, Pqk, o, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=4, num_stages=state_stages(BT, BK, BV, mid["dtype"]),
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, FUSE_OUTPUT=fuse,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
+        num_stages=state_stages(BT, BK, BV, mid["dtype"], fused=fuse),
     )
-    o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
+    if fuse:
+        return o, ht
     BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
     _kda_output_kernel[(triton.cdiv(V, BVO), NT, H)](
         qg, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos,
