@@ -9,7 +9,10 @@ larger than the L2 cache, the bytes its experts' weights take over the device's 
 the same run, its error against float64 on fresh inputs (outputs poisoned first), and the rounds' spread as
 the noise floor. Prints a table; writes JSON to $OUT/small_batch_tiles.json (or bench/out/).
 
-    python bench/small_batch_tiles.py [--tokens 1 2 4 8 16] [--rounds 5]
+The expert form (``form="expert"``: each chosen expert's rows read once for all the pairs it serves) is timed
+in the same rounds; the first row of each token count (the token form's default) is the ratios' base.
+
+    python bench/small_batch_tiles.py [--tokens 1 2 4 8 16] [--rounds 5] [--forms token expert]
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ DOWN = [(8, 256, 4), (8, 512, 4), (8, 1024, 8), (4, 1024, 4), (16, 256, 4), (16,
 TILINGS = [None, (64, 128, 64, 128, 4, 4), (8, 1024, 4, 1024, 4, 4), (8, 1024, 16, 256, 4, 4),
            *[(g[0], g[1], DOWN[0][0], DOWN[0][1], g[2], DOWN[0][2]) for g in GATE_UP],
            *[(GATE_UP[0][0], GATE_UP[0][1], d[0], d[1], GATE_UP[0][2], d[2]) for d in DOWN[1:]]]
+#: the expert form (one program per expert and tile over the pairs it serves; tensor-core products, tiles >= 16):
+#: its first-guess default and a few neighbours
+EXPERT_TILINGS = [None, (16, 256, 32, 128, 4, 4), (64, 128, 64, 128, 4, 4), (32, 256, 128, 64, 8, 4),
+                  (32, 128, 32, 256, 4, 8)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--forms", nargs="+", choices=("token", "expert"), default=["token", "expert"])
     args = ap.parse_args()
     import torch
 
@@ -48,7 +56,7 @@ def main() -> int:
         return 2
     from feedback.correctness import fresh_generator, rel_err
     from target_stack.bench.timing import copy_bandwidth, graph_time, rotations
-    from target_stack.ops.moe.small_batch import default_tiles, multiprocessors, small_batch_experts
+    from target_stack.ops.moe.small_batch import EXPERT_TILES, default_tiles, multiprocessors, small_batch_experts
     from target_stack.ops.utils import poisoning
 
     gen = fresh_generator(device="cuda")
@@ -66,21 +74,24 @@ def main() -> int:
         x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:TOP_K] for _ in range(T)])
         w = torch.rand(T, TOP_K, device="cuda", generator=gen) + 0.1
-        read = T * (TOP_K + 1) * 3 * H * D * 2  # each token's experts' rows (distinct experts: no sharing)
+        # the compulsory bytes: every distinct chosen expert's rows and the shared expert's, once
+        read = (torch.unique(idx).numel() + 1) * 3 * H * D * 2
         want = _reference(x, w, idx, sets[0], downs[0])
         times: dict[str, list[float]] = {}
         errs = {}
-        for tiles in TILINGS:
-            name = "default " + str(default_tiles(T, D, H, multiprocessors(x.device))) if tiles is None else str(tiles)
+        variants = [(f, t) for f, ts in (("token", TILINGS), ("expert", EXPERT_TILINGS)) if f in args.forms for t in ts]
+        for form, tiles in variants:
+            default = EXPERT_TILES if form == "expert" else default_tiles(T, D, H, multiprocessors(x.device))
+            name = f"{form} " + ("default " + str(default) if tiles is None else str(tiles))
             with poisoning(True):
                 errs[name] = rel_err(small_batch_experts(x, w, idx, sets[0], downs[0], out_dtype=torch.float32,
-                                                         tiles=tiles), want)
+                                                         tiles=tiles, form=form), want)
             times[name] = []
         with poisoning(False):
-            for _ in range(args.rounds):  # the tilings interleaved round by round
-                for tiles, name in zip(TILINGS, times, strict=True):
-                    calls = [lambda g=g, d=d, tiles=tiles: small_batch_experts(x, w, idx, g, d, out_dtype=x.dtype,
-                                                                                tiles=tiles)
+            for _ in range(args.rounds):  # the variants interleaved round by round
+                for (form, tiles), name in zip(variants, times, strict=True):
+                    calls = [lambda g=g, d=d, tiles=tiles, form=form: small_batch_experts(
+                        x, w, idx, g, d, out_dtype=x.dtype, tiles=tiles, form=form)
                              for g, d in zip(sets, downs, strict=True)]
                     times[name].append(graph_time(calls))
         base = statistics.median(next(iter(times.values())))
@@ -90,7 +101,7 @@ def main() -> int:
                              noise=(max(ts) - min(ts)) / t, vs_default=t / base, bandwidth_vs_copy=read / t / copy_bw,
                              rel_err=errs[name]))
             r = rows[-1]
-            print(f"T={T:3d} {name:34s} {r['us']:8.1f} us  x{r['vs_default']:.2f} of default  "
+            print(f"T={T:3d} {name:40s} {r['us']:8.1f} us  x{r['vs_default']:.2f} of default  "
                   f"{r['bandwidth_vs_copy']:.2f} of copy  noise {r['noise']:.1%}  err {r['rel_err']:.1e}", flush=True)
     out = pathlib.Path(os.environ.get("OUT", pathlib.Path(__file__).parent / "out"))
     out.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,34 @@ def test_every_chosen_expert_and_the_shared_one_are_summed_with_their_weights(T,
     assert rel_err(small_batch_experts(x, w0, idx, w_gu, w_down), want0) < 1e-5
 
 
+@pytest.mark.parametrize("T,D,H,E,top_k,tiles", [(1, 96, 40, 8, 2, None), (16, 48, 24, 4, 1, None),
+                                                 (7, 130, 70, 12, 3, (16, 64, 32, 32)), (16, 64, 128, 5, 4, None)])
+def test_the_expert_form_reads_each_expert_once_and_gives_the_same_sums(T, D, H, E, top_k, tiles, gen):
+    """form='expert': a program per (expert, tile) over every (token, slot) pair the expert serves. Against
+    float64 and the token form, with experts nobody chose, tiles that do not divide D or H, and a token that
+    names one expert in two slots (its two weights both count)."""
+    mods = _experts(E, D, H, gen)
+    x = (torch.randn(T, D, generator=gen) * 2).to(DEVICE)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)])
+    if top_k > 1:
+        idx[0, 1] = idx[0, 0]  # the same expert twice for token 0
+    idx = idx.to(DEVICE)
+    w = torch.rand(T, top_k, generator=gen).to(DEVICE) + 0.1
+    w_gu, w_down = stack_with_shared(*([getattr(m, n).detach() for m in mods] for n in ("w_gate", "w_up", "w_down")),
+                                     torch.float32)
+    want = _definition(x, w, idx, mods[:E], mods[E])
+    got = small_batch_experts(x, w, idx, w_gu, w_down, tiles=tiles, form="expert")
+    assert got.shape == (T, D) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, small_batch_experts(x, w, idx, w_gu, w_down, form="token")) < 1e-5
+    narrow = small_batch_experts(x, w, idx, w_gu, w_down, out_dtype=torch.bfloat16, form="expert")
+    assert narrow.dtype == torch.bfloat16 and rel_err(narrow, want) < 2.0**-8
+    with pytest.raises(ValueError, match="at least 16"):
+        small_batch_experts(x, w, idx, w_gu, w_down, tiles=(8, 64, 32, 32), form="expert")
+    with pytest.raises(ValueError, match="form"):
+        small_batch_experts(x, w, idx, w_gu, w_down, form="pairs")
+
+
 def test_the_layer_takes_the_kernels_for_small_batches_and_agrees_with_its_other_forms(gen):
     moe = MoE(64, 32, n_experts=8, top_k=2, generator=gen).to(DEVICE)
     x = torch.randn(5, 64, generator=gen).to(DEVICE)

@@ -12,6 +12,7 @@ def moe_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
     """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for x [T, D], weights and ids [T, k]; float32 or wider."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    dense = torch.zeros(x.shape[0], len(experts), dtype=dtype, device=x.device).scatter_(1, ids, weights.to(dtype))
+    # scatter_add_: an expert named in two slots counts twice, as the sum says (scatter_ would keep one)
+    dense = torch.zeros(x.shape[0], len(experts), dtype=dtype, device=x.device).scatter_add_(1, ids, weights.to(dtype))
     every = torch.stack([e(x).to(dtype) for e in experts], dim=1)  # [T, E, D]
     return (every * dense[..., None]).sum(1)
