@@ -29,7 +29,7 @@ from target_stack.ops.utils import CachedLaunch, alloc, interpreting
 MAX_TOKENS = 16  # above this the grouped GEMMs read each expert's weights once and win
 
 #: the expert form's (BH, BD) of its gate/up kernel, (BD, BH) of its down kernel and their warps: a first
-#: guess, NOT yet timed on a GPU (bench/small_batch_tiles.py --form expert sweeps it beside the token form)
+#: guess, NOT yet timed on a GPU (bench/small_batch_tiles.py times it and a few neighbours beside the token form)
 EXPERT_TILES = (32, 128, 64, 128, 4, 4)
 
 
