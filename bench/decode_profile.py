@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--moe-form", choices=("token", "expert"), default="token",
+                    help="the small-batch MoE experts' form (ops/moe/small_batch.py) in every MoE layer")
     args = ap.parse_args()
     import torch
 
@@ -163,6 +165,11 @@ def main() -> int:
     result = {"date": _dt.datetime.now(_dt.UTC).isoformat(timespec="minutes"), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "copy_TBps": copy_bw / 1e12, "runs": []}
     model = bench_model(args.preset)
+    for module in model.modules():
+        if hasattr(module, "small_batch_form"):
+            module.small_batch_form = args.moe_form
+    result["moe_form"] = args.moe_form
+    print(f"the small-batch MoE experts' form: {args.moe_form}")
     for batch in args.batch:
         run = profile(model, args.preset, batch, args.steps)
         result["runs"].append(run)

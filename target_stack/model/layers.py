@@ -114,6 +114,9 @@ class MoE(torch.nn.Module):
         # the two-launch experts of a decode-sized batch (ops/moe/small_batch.py), in forward_static: always,
         # never, None: on a GPU (set with the fused kernels: a graph-captured decode step 0.85x on the H200)
         self.small_batch: bool | None = False
+        # and their form (ops/moe/small_batch.py): "token" (a program per token and slot) or "expert" (a program
+        # per expert and tile, each expert's rows read once; untimed on a GPU so far, so not the default)
+        self.small_batch_form = "token"
         self._small_cache = DerivedWeight(_stack_small)
         self._stacked = DerivedWeight(_stack_experts)
         self._grouped_cache = DerivedWeight(_stack_grouped)
@@ -180,7 +183,8 @@ class MoE(torch.nn.Module):
         w, idx = self.route(x2)
         if kernel_on(x, self.small_batch) and x2.shape[0] <= SMALL_BATCH_TOKENS:
             # the chosen experts and the shared one in two launches instead of about seventeen
-            return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype), out_dtype=x.dtype).reshape(shape)
+            return small_batch_experts(x2, w, idx, *self._small_weights(x2.dtype), out_dtype=x.dtype,
+                                       form=self.small_batch_form).reshape(shape)
         out = self._grouped(x2, w, idx) if self._grouped_ok(x2) else masked_dense(x2, w, idx, *self.stacked_weights())
         out += self.shared(x2).float()
         return out.to(x.dtype).reshape(shape)

@@ -82,9 +82,12 @@ def test_the_layer_takes_the_kernels_for_small_batches_and_agrees_with_its_other
         plain = moe.forward_static(x)
         moe.small_batch = True
         fused = moe.forward_static(x)
+        moe.small_batch_form = "expert"  # the same layer through the expert form
+        by_expert = moe.forward_static(x)
+        moe.small_batch_form = "token"
         w, idx = moe.route(x)
         want = _definition(x, w, idx, moe.experts, moe.shared)
-    assert rel_err(fused, want) < 1e-5 and rel_err(plain, want) < 1e-5
+    assert rel_err(fused, want) < 1e-5 and rel_err(plain, want) < 1e-5 and rel_err(by_expert, want) < 1e-5
     with torch.no_grad():  # a changed shared expert is read again, not served from the layer's cache
         moe.shared.w_down.mul_(2)
         again = moe.forward_static(x)
