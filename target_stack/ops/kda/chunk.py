@@ -258,15 +258,13 @@ def _kda_solve_kernel(
 
 
 @triton.jit
-def _chunk_output(qg, Pqk, b_S, b_vn, t0, i_h, m_t, off_tk, m_tk, H: tl.constexpr, BT: tl.constexpr,
-                  LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A chunk's output tile o = (scale q exp(G)) S_in + P u' from its entering state and corrected values
-    (one V tile of each): the output kernel's work, and the state kernel's where the output is fused."""
+def _causal_scores(Pqk, t0, i_h, m_t, H: tl.constexpr, BT: tl.constexpr):
+    """A chunk's [BT, BT] block of P (scale <q_i, k_j exp(G_i - G_j)>) as the output reads it: j <= i only,
+    the part the intra-chunk kernels write.  The output kernel's read, and the state kernel's where the
+    output is fused."""
     rows = tl.arange(0, BT)
-    b_qg = tl.load(qg + off_tk, mask=m_tk, other=0.0)  # scale q exp(G)
-    b_P = tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :],
-                  mask=m_t[:, None] & (rows[:, None] >= rows[None, :]), other=0.0)  # only j <= i is written
-    return _dot(b_qg, b_S, LOWP, DOT_PRECISION) + _dot(b_P, b_vn, LOWP, DOT_PRECISION)
+    return tl.load(Pqk + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :],
+                   mask=m_t[:, None] & (rows[:, None] >= rows[None, :]), other=0.0)  # only j <= i is written
 
 
 @triton.jit
@@ -314,8 +312,10 @@ def _kda_state_kernel(
         b_w = tl.load(w + off_tk, mask=m_tk, other=0.0)
         b_u = tl.load(u + off_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - _dot(b_w, b_S, LOWP, DOT_PRECISION)
-        if FUSE_OUTPUT:  # this chunk's output tile from the S_in and u' in registers
-            b_o = _chunk_output(qg, Pqk, b_S, b_vn, t0, i_h, m_t, off_tk, m_tk, H, BT, LOWP, DOT_PRECISION)
+        if FUSE_OUTPUT:  # o = (scale q exp(G)) S_in + P u' from the S_in and u' in registers
+            b_qg = tl.load(qg + off_tk, mask=m_tk, other=0.0)
+            b_P = _causal_scores(Pqk, t0, i_h, m_t, H, BT)
+            b_o = _dot(b_qg, b_S, LOWP, DOT_PRECISION) + _dot(b_P, b_vn, LOWP, DOT_PRECISION)
             tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         else:
             tl.store(v_new + off_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
@@ -352,10 +352,12 @@ def _kda_output_kernel(
     off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
     off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
 
+    b_qg = tl.load(qg + off_tk, mask=m_tk, other=0.0)  # scale q exp(G)
     b_S = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_P = _causal_scores(Pqk, t0, i_h, m_t, H, BT)
     b_vn = tl.load(v_new + off_tv, mask=m_tv, other=0.0)
-    b_o = _chunk_output(qg, Pqk, b_S, b_vn, t0, i_h, m_t, off_tk, m_tk, H, BT, LOWP, DOT_PRECISION)
+    b_o = _dot(b_qg, b_S, LOWP, DOT_PRECISION) + _dot(b_P, b_vn, LOWP, DOT_PRECISION)
     tl.store(o + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
