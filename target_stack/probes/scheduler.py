@@ -197,15 +197,19 @@ def _refused_admission_with_a_hit(ctx: ProbeContext, model: HybridModel, p: dict
 
 def _hit_and_preemption(ctx: ProbeContext, model: HybridModel, p: dict, seen: set) -> tuple[int, int]:
     """A deterministic case of a prefill from a cached stem and of decode growth that must preempt:
-    two sequences of three pages each grow to eight, more than the pool holds.  (hits, preemptions)."""
+    two sequences of three pages each grow to eight, more than the pool holds.  (hits, preemptions).
+
+    The cached prompt runs a page past the stem, so the hit (the stem's two pages) is shorter than its
+    entry (three): a head that took one page too many shows here on every run, not only when the random
+    runs happen to hit an entry short."""
     ps = p["page_size"]
     engine = _engine(ctx, model, p)
     watch = _Watch(ctx, engine, seen)
     gen = fresh_generator()
     draw = lambda n: torch.randint(0, model.cfg.vocab, (n,), generator=gen).tolist()  # noqa: E731
     stem = draw(2 * ps)
-    engine.generate([stem + draw(1)], SamplingParams(max_tokens=1))
-    engine.generate([stem + draw(3)], SamplingParams(max_tokens=1))  # from the cached stem
+    engine.generate([stem + draw(ps + 1)], SamplingParams(max_tokens=1))  # an entry of three full pages
+    engine.generate([stem + draw(3)], SamplingParams(max_tokens=1))  # from the cached stem: two of them
     n = 3 * ps - 1
     grow = min(5 * ps, p["max_model_len"] - n)  # to 8 pages each: 16 of the pool's num_pages - 1
     for _ in range(2):
