@@ -87,8 +87,9 @@ def _stack_experts(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _stack_grouped(parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grouped GEMMs' (gate/up, down) layout in ``dtype``, from the same parts."""
-    return grouped_gemm_weights(*_stack_experts(parts), dtype)
+    """The grouped GEMMs' (gate/up, down) layout in ``dtype``, from the same parts (stacked in the weights'
+    own dtype: no fp32 copy of every expert on the way)."""
+    return grouped_gemm_weights(*(torch.stack(parts[i::3]) for i in range(3)), dtype)
 
 
 class MoE(torch.nn.Module):
