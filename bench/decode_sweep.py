@@ -4,8 +4,9 @@
 
 One pooled decode step of ``target_stack/ops/kda/fused_recurrent.py`` (H=32, K=V=128, bf16 q/k/v,
 q/k normalised in the kernel), launched directly with every BV in 16..128 and the warp counts that
-fit it (``LAUNCHES``), for the kernel as it is and for a variant whose state load and store carry an
-``evict_first`` hint (the state is streamed once per step: nothing gains from keeping it in L2).
+fit it (``LAUNCHES``), for the kernel as it is and for variants (``VARIANTS``): the state's load and
+store with an ``evict_first`` hint or with ``.cg`` / ``.cs`` cache modifiers (the state is streamed
+once per step), or the programs ordered slot by slot.
 Kernel time from CUDA-graph replays over input sets larger than L2; three rounds interleaved
 across the configurations (median; the rounds' spread is the noise); state bandwidth against a
 device copy measured in the same run; every configuration's output and state checked against
@@ -41,6 +42,19 @@ VARIANTS = {
         ("mask=m_state, other=0.0)", 'mask=m_state, other=0.0, eviction_policy="evict_first")'),
         ("b_h.to(ht.dtype.element_ty), mask=m_state)", 'b_h.to(ht.dtype.element_ty), mask=m_state, '
                                                        'eviction_policy="evict_first")'),
+    ],
+    # the state load bypasses L1 (.cg) and the store streams (.cs): a state byte is touched once a step
+    "cg/cs": [
+        ("mask=m_state, other=0.0)", 'mask=m_state, other=0.0, cache_modifier=".cg")'),
+        ("b_h.to(ht.dtype.element_ty), mask=m_state)", 'b_h.to(ht.dtype.element_ty), mask=m_state, '
+                                                       'cache_modifier=".cs")'),
+    ],
+    # programs in launch order walk one slot's [H, K, V] state front to back (grid (V tiles, H, N)),
+    # not one head's across every slot: the state streams through DRAM pages in address order
+    "slot-major": [
+        ("i_n = tl.program_id(1).to(tl.int64)", "i_n = tl.program_id(2).to(tl.int64)"),
+        ("i_h = tl.program_id(2)", "i_h = tl.program_id(1)"),
+        ("_launch = CachedLaunch(", "SLOT_MAJOR = True\n_launch = CachedLaunch("),
     ],
 }
 
@@ -107,7 +121,8 @@ def main() -> int:
 
         def launcher(mod, bv, warps, s, warmup=False):
             kern = mod._kda_fused_recurrent_kernel
-            grid = (triton.cdiv(V, bv), batch, H)
+            nv = triton.cdiv(V, bv)
+            grid = (nv, H, batch) if getattr(mod, "SLOT_MAJOR", False) else (nv, batch, H)
             a = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["o"], s["pool"], s["pool"], s["slots"], K**-0.5, 1)
             kw = dict(H=H, K=K, V=V, BK=K, BV=bv, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True,
                       L2NORM_QK=True, BETA_SIGMOID=False, num_warps=warps)
