@@ -85,7 +85,6 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     args = ap.parse_args()
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("decode_sweep: needs a GPU (kernel times under the interpreter mean nothing)", file=sys.stderr)
@@ -120,15 +119,7 @@ def main() -> int:
         today = (plan[6]["BV"], plan[6]["num_warps"])
 
         def launcher(mod, bv, warps, s, warmup=False):
-            kern = mod._kda_fused_recurrent_kernel
-            nv = triton.cdiv(V, bv)
-            grid = (nv, H, batch) if getattr(mod, "SLOT_MAJOR", False) else (nv, batch, H)
-            a = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["o"], s["pool"], s["pool"], s["slots"], K**-0.5, 1)
-            kw = dict(H=H, K=K, V=V, BK=K, BV=bv, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True,
-                      L2NORM_QK=True, BETA_SIGMOID=False, num_warps=warps)
-            if warmup:
-                return lambda: kern.warmup(*a, grid=grid, **kw)
-            return lambda: kern[grid](*a, **kw)
+            return launch(mod, bv, warps, s, warmup)
 
         configs = [(name, bv, w) for name in args.variants.split(",") if name in mods
                    for bv, ws in LAUNCHES.items() for w in ws]
@@ -190,6 +181,26 @@ def main() -> int:
         print(f"  WRONG: {r['dtype']} batch {r['batch']} {r['variant']} BV={r['BV']} w={r['num_warps']}: "
               f"errors {r['rel_err_o']:.1e}/{r['rel_err_state']:.1e}, null slot kept {r['null_slot_kept']}")
     return 1 if bad else 0
+
+
+def launch(mod, bv: int, warps: int, s: dict, warmup: bool = False):
+    """A call that launches variant ``mod``'s kernel on one input set ``s`` (q, k, v, g, beta, o, pool,
+    slots: one pooled decode step, q/k normalised in the kernel) with V tile ``bv`` and ``warps``."""
+    import triton
+
+    kern = mod._kda_fused_recurrent_kernel
+    batch, _, h, kk = s["q"].shape
+    vv = s["v"].shape[-1]
+    nv = triton.cdiv(vv, bv)
+    grid = (nv, h, batch) if getattr(mod, "SLOT_MAJOR", False) else (nv, batch, h)
+    a = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["o"], s["pool"], s["pool"], s["slots"], None, None,
+         kk**-0.5, 1)
+    kw = dict(H=h, K=kk, V=vv, BK=triton.next_power_of_2(kk), BV=bv, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,
+              USE_SLOTS=True, L2NORM_QK=True, BETA_SIGMOID=False, GATE_IN_KERNEL=False, HAS_DT_BIAS=False,
+              num_warps=warps)
+    if warmup:
+        return lambda: kern.warmup(*a, grid=grid, **kw)
+    return lambda: kern[grid](*a, **kw)
 
 
 def precompile(launcher, mods, configs, s) -> None:
