@@ -351,17 +351,20 @@ def playbooks_show(playbook_id: str = typer.Argument(..., metavar="ID")) -> None
 @app.command("gate")
 def gate_cmd(
     diff_file: str = typer.Argument(..., metavar="DIFF_FILE", help="a unified diff"),
-    target: str = typer.Option(None, "--target", help="target root (its manifest's risk rules and protected paths; "
-                                                      "default: the bundled target)"),
+    target: str = typer.Option(None, "--target", help="target root: the tree the diff applies to (its manifest's risk "
+                                                      "rules and protected paths; default: the bundled target)"),
+    manifest_file: str = typer.Option(None, "--manifest", help="a manifest kept outside the target tree"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Classify a patch's risk: numerics, concurrency, production.
 
-    Exit code 0: clean; 1: held for review; 2: refused (a protected path) or error.
+    A target without a manifest (and no --manifest) is judged on the built-in rules alone, with no
+    protected paths; a note on stderr says so.  Exit code 0: clean; 1: held for review; 2: refused (a
+    protected path) or error.
     """
     import pathlib
 
-    from feedback.manifest import ManifestError, load_manifest
+    from feedback.manifest import MANIFEST_NAME, Manifest, ManifestError, load_manifest
     from infra_agent.gate import assess_text
 
     path = pathlib.Path(diff_file)
@@ -369,7 +372,13 @@ def gate_cmd(
         fail(f"no such diff file: {diff_file}")
     root = _target_root(target)
     try:
-        manifest = load_manifest(root)
+        if manifest_file is None and not (root / MANIFEST_NAME).is_file():
+            err_console.print(f"[yellow]note:[/] {root} has no {MANIFEST_NAME}: the built-in rules only, "
+                              "no protected paths (--manifest FILE names one kept elsewhere)", highlight=False,
+                              soft_wrap=True)
+            manifest = Manifest(name=root.name, probes=[])
+        else:
+            manifest = load_manifest(root, manifest_file)
     except ManifestError as exc:
         fail(str(exc))
     result = assess_text(path.read_text(errors="replace"), manifest, root)

@@ -112,3 +112,40 @@ def test_gate_cli_exit_codes_on_the_bundled_target(tmp_path):
     assert c.returncode == 0, c.stdout
     r = run(refused)
     assert r.returncode == 2 and "protected" in json.loads(r.stdout)["refused"]
+
+
+def test_gate_cli_on_a_repository_without_a_manifest_and_with_one_kept_outside(tmp_path):
+    import git
+
+    repo = tmp_path / "fork"
+    (repo / "engine").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "engine" / "step.py").write_text("def step(x):\n    return x\n")
+    (repo / "tests" / "test_step.py").write_text("def test_step():\n    assert True\n")
+    g = git.Repo.init(repo)
+    g.git.add(A=True)
+    g.git.commit("-qm", "start", author="t <t@t>")
+    (repo / "engine" / "step.py").write_text("import threading\n\n\ndef step(x):\n    return x\n")
+    held = tmp_path / "held.diff"
+    held.write_text(g.git.diff() + "\n")
+    g.git.checkout("--", ".")
+    (repo / "tests" / "test_step.py").write_text("def test_step():\n    assert 1\n")
+    tests_diff = tmp_path / "tests.diff"
+    tests_diff.write_text(g.git.diff() + "\n")
+    g.git.checkout("--", ".")
+    outside = tmp_path / "judges" / "infra-agent.yaml"
+    outside.parent.mkdir()
+    outside.write_text("schema_version: 1\nname: fork\nprobes: []\nprotected: [tests/**]\n")
+
+    def run(f, *extra):
+        return subprocess.run([sys.executable, "-m", "infra_agent.cli", "gate", str(f), "--target", str(repo),
+                               "--json", *extra], capture_output=True, text=True)
+
+    h = run(held)  # no manifest anywhere: the built-in rules, and a note that says so
+    assert h.returncode == 1 and "concurrency" in {f["category"] for f in json.loads(h.stdout)["findings"]}
+    assert "no infra-agent.yaml" in h.stderr and "built-in rules only" in h.stderr
+    assert run(tests_diff).returncode == 0  # nothing protects the tests without a manifest
+    r = run(tests_diff, "--manifest", str(outside))
+    assert r.returncode == 2 and "protected" in json.loads(r.stdout)["refused"] and "note" not in r.stderr
+    missing = run(held, "--manifest", str(tmp_path / "nowhere.yaml"))
+    assert missing.returncode == 2 and "no such manifest file" in missing.stderr
