@@ -4,11 +4,17 @@ Categories: **numerics** (dtype casts, precision arguments and tf32 switches, ep
 constants, scales and quantisation, accumulation or reduction order), **concurrency** (threads,
 locks, GIL release or acquire in Python, C or C++, async code, CUDA streams and events,
 synchronisation, shared buffers) and **production** (serving defaults, scheduler limits,
-timeouts, memory limits, deployment files).  Built-in rules, the target manifest's ``risk``
-rules, and Python AST checks on the patched files.  A patch touching a protected path, or
-reaching the judges some other way (``infra_agent/tamper.py``: self-loaded files, renames and mode
-changes, imports of the harness or the references, monkeypatching, introspection, the probes'
-environment), is refused outright; an error inside the classifier counts as high risk.
+timeouts, memory limits, environment switches, deployment files).  Built-in rules over the changed
+lines' code (comments, docstrings and layout-only edits are not read: ``source_lines.py``), the
+target manifest's ``risk`` rules, and checks of where a line lies, whatever its words: inside a GPU
+kernel (numerics; its stores concurrency), inside a with-block holding a lock or a stream
+(concurrency), or the value of a setting (a parameter default, a class field, a module constant:
+production).  Measured on real upstream commits: ``bench/gate_upstream.py``.
+
+A patch touching a protected path, or reaching the judges some other way (``infra_agent/tamper.py``:
+self-loaded files, renames and mode changes, imports of the harness or the references,
+monkeypatching, introspection, the probes' environment), is refused outright; an error inside the
+classifier counts as high risk.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from feedback.checks import parse
 from feedback.manifest import Manifest
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
+from infra_agent.source_lines import Regions, code_part, defaults, python_regions
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,8 @@ class Rule:
     whole_file: bool = False  # the path alone is the risk (deployment files)
 
 
-CODE = ("*.py", "*.c", "*.cc", "*.cpp", "*.cu", "*.cuh", "*.h", "*.hpp", "*.pyx")
+C_FAMILY = ("*.c", "*.cc", "*.cpp", "*.cxx", "*.cu", "*.cuh", "*.h", "*.hh", "*.hpp", "*.hxx", "*.inl")
+CODE = ("*.py", "*.pyx", *C_FAMILY)
 BUILTIN: tuple[Rule, ...] = (
     # numerics
     Rule("num.dtype-cast", "numerics",
@@ -55,18 +63,37 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("num.reduction-order", "numerics",
          r"tl\.(sum|cumsum|reduce|associative_scan|dot|atomic_add)|\.(sum|cumsum|mean)\(|accumulat|split_k|splitk",
          CODE),
+    Rule("num.launch-config", "numerics",  # tiles, warps and stages decide a kernel's reduction order
+         r"(?i:\bnum_warps\b|\bnum_stages\b|\bnum_ctas\b|\bmaxnreg\b)|\btriton\.(Config|autotune|heuristics)\b|"
+         r"\bBLOCK_[A-Z0-9_]+\b|\bB[KTVMNCHD]\s*[=:]", CODE),
+    Rule("num.attention-metadata", "numerics",  # what each query attends to, and at which position
+         r"\b(positions?|position_ids|seq_?lens?\w*|seqlens?_\w+|cu_seqlens\w*|max_seqlen\w*|context_lens?\w*|"
+         r"slot_mapping|block_tables?|query_start_loc\w*|rotary\w*|rope\w*|sliding_window|is_causal|causal)\b", CODE),
+    Rule("num.sampling", "numerics",  # what turns logits into tokens
+         r"\b(temperatures?|top_[pk]s?|min_ps?|logits?|logprobs?|log_probs?|softmax|log_softmax|logsumexp|argmax|"
+         r"multinomial|gumbel\w*|repetition_penalty|presence_penalty|frequency_penalty|sampler\w*|sampling_\w+|sample_\w+|"
+         r"\w+_sampling|do_sample)\b", CODE),
+    Rule("num.path-switch", "numerics",  # flags and names that pick another kernel, backend or algorithm
+         r"\buse_\w+\s*(=(?!=)|:\s*(bool|Optional|int|str)\b)|\b\w*backend\w*\s*[=:]|"
+         r"\b(algo\w*|impl|kernel_\w+|\w+_impl)\s*[=:]", CODE),
+    Rule("num.kv-layout", "numerics",  # which key/value elements a cache stores and where
+         r"\b(kv_\w+|\w+_kv|k_cache\w*|v_cache\w*|key_caches?|value_caches?|past_key_values?)\b", CODE),
+    Rule("num.cuda-source", "numerics", r"\S", ("*.cu", "*.cuh")),  # device code: any code line is the numbers
     Rule("num.backend-flags", "numerics",  # library switches that change every kernel's numbers, no dtype word
          r"torch\.backends\.\w+\.\w+|\bcudnn\.(benchmark|deterministic|enabled|allow_tf32)\b|"
          r"use_deterministic_algorithms|set_flush_denormal|set_default_dtype|NVIDIA_TF32_OVERRIDE|"
          r"TORCH_ALLOW_TF32\w*|CUBLAS_WORKSPACE_CONFIG|TRITON_F32_DEFAULT|\bfast_accum\b", ("*",)),
     # concurrency
-    Rule("conc.threads", "concurrency", r"\bthreading\b|Thread\(|ThreadPool|multiprocessing|concurrent\.futures",
-         CODE),
+    Rule("conc.threads", "concurrency",  # threads, pools and how many; yielding the interpreter or the CPU
+         r"\bthreading\b|Thread\(|ThreadPool|multiprocessing|concurrent\.futures|\b(\w+_)?threads?\b|\b\w+Threads?\b|"
+         r"\bnum_workers\b|\btime\.sleep\(|\bsched_yield\b|this_thread::(yield|sleep_for)", CODE),
     Rule("conc.locks", "concurrency",
          r"\b(R?Lock|Semaphore|BoundedSemaphore|Condition|Barrier)\(|\.acquire\(|\.release\(|std::mutex|"
-         r"pthread_mutex|lock_guard|unique_lock", CODE),
+         r"pthread_mutex|lock_guard|unique_lock|scoped_lock|\bflock\(|\bfcntl\.(flock|lockf)\(|\bLOCK_(EX|SH|NB|UN)\b|"
+         r"\bFileLock\b|\bfilelock\b|\bportalocker\b", CODE),
     Rule("conc.sync", "concurrency",  # a lock held by a with-block, waits, notifications, barriers, queue bounds
-         r"\bwith\s+[\w.]*(lock|mutex|cond|sem|guard)\w*\s*:|\.wait(_for)?\(|\.notify(_all)?\(|\bbarrier\(|"
+         r"\bwith\s+[\w.]*(lock|mutex|cond|sem|guard)\w*\s*:|\b\w*[wW]ait\w*\s*(<[^<>()]*>)?\s*\(|\.notify(_all)?\(|"
+         r"\bbarrier\(|\b\w+_ready\b|\bis_ready\b|\bready_\w+|\bin_?flight\w*|"
          r"\bQueue\(|\bmaxsize\b|\bEvent\(\)|\bwait_event\(|\.record\(|\bquery\(\)|\bjoin\(\s*(timeout\s*=\s*[\d.]+)?\s*\)|__sync|\bmemory_order",
          CODE),
     Rule("conc.gil", "concurrency",
@@ -76,12 +103,33 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("conc.cuda-streams", "concurrency",
          r"cuda\.(Stream|Event|stream|synchronize)|wait_stream|record_stream|\.synchronize\(|cudaStream|"
          r"cudaEvent|cudaDeviceSynchronize|__syncthreads|tl\.debug_barrier", CODE),
-    Rule("conc.shared-buffers", "concurrency", r"shared_memory|SharedMemory|\bmmap\b|\batomic|share_memory_\(", CODE),
+    Rule("conc.host-sync", "concurrency",  # a copy or read that waits for the device, or one that no longer does
+         r"\.item\s*(<[^<>()]*>)?\s*\(|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|\bnon_blocking\b|\bpin_memory\b|"
+         r"\bcudaMemcpy\w*|\bcuMemcpy\w*", CODE),
+    Rule("conc.collectives", "concurrency",  # process groups: every rank must take part, in the same order
+         r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast_object\w*|isend|irecv|"
+         r"batch_isend_irecv|send_object\w*|recv_object\w*)\b|\bdist\.\w+\(|torch\.distributed|\bnccl\w*|"
+         r"\bNCCL\w*|ProcessGroup|\bray\.(get|wait|put)\(", CODE),
+    Rule("conc.parallel-layout", "concurrency",  # ranks, groups and shards: who takes part in what
+         r"\b(tp|dp|ep|pp|cp|sp|attn_tp|moe_tp)_(size|rank|group|world_size)\b|\bworld_size\b|\b(local_|global_)?rank\b|"
+         r"\bnew_\w*group\w*|\b\w*dist_group\w*|\bprocess_group\w*|\bdevice_mesh\b|\bget_\w*_group\(", CODE),
+    Rule("conc.device-sync", "concurrency",  # inside CUDA / C++ kernels: fences, barriers, clusters, async copies
+         r"__syncwarp|__threadfence\w*|\bfence\w*|\bmbarrier\w*|\barrive\w*|\bnamed_barrier\w*|"
+         r"\bcluster_\w+|\bmulticast\w*|\w*[mM]ulticast\w*|\b\w*_cta\w*|\bcta_\w+|\bCTA\w*|cp\.async|"
+         r"\bcommit_group|\bwait_group|\bwarpgroup_\w+|\btma_store_\w+", C_FAMILY),
+    Rule("conc.shared-buffers", "concurrency",
+         r"shared_memory|SharedMemory|\bmmap\b|\batomic|share_memory_\(|(?i:\bshm\w*|/dev/shm)", ("*",)),
     # production
     Rule("prod.serving-defaults", "production",
          r"\b(max_batch\w*|max_num_seqs|max_tokens|max_model_len|max_num_batched_tokens|port|host|workers?|"
          r"gpu_memory_utilization|mem_fraction\w*|memory_limit\w*|max_queue\w*|max_wait\w*|timeout\w*|"
          r"keep_alive)\b\s*[=:]", ("*",)),
+    Rule("prod.env-defaults", "production",  # runtime switches read from the environment, and their defaults
+         r"\bos\.getenv\(|\bos\.environ\.get\(|\bos\.environ\[|\benviron\.setdefault\(|\bgetenv\s*\(|"
+         r"\bget_env\w*\s*(<[^<>()]*>)?\s*\(|\bdefault_\w+\s*(:[^=\n]*)?=(?!=)|\bEnv[A-Z]\w*\(|\benv_(bool|int|float|str)\(|"
+         r"\bENVS?\.[A-Z_]+|\benvs\.[A-Z_]+", ("*",)),
+    Rule("prod.limits", "production",  # bounds on queues, budgets and capacities
+         r"\bmaxsize\b|\bcapacity\b|\b\w+_budget\b|\bbudget_\w+|\b\w+_limits?\b|\blimits?_\w+|\b\w+_quota\b", CODE),
     Rule("prod.exposure", "production",  # what a server binds, accepts and asks for
          r"0\.0\.0\.0|127\.0\.0\.1|localhost|\b(bind|listen|HTTPServer|ThreadingHTTPServer|serve_forever)\b|"
          r"\b(api_key|authenticat\w*|authoriz\w*|Authorization|bearer|allow_origins|cors|ssl_\w+|tls_\w+|"
@@ -89,7 +137,12 @@ BUILTIN: tuple[Rule, ...] = (
          r"\b(max_request\w*|max_body\w*|max_content_length|rate_limit\w*|max_connections)\b", ("*",)),
     Rule("prod.deployment-files", "production", None,
          ("Dockerfile*", "*/Dockerfile*", "docker-compose*", "*/docker-compose*", "deploy/*", "*/deploy/*",
-          "k8s/*", "helm/*", "charts/*", ".github/workflows/*", "*.service", "Procfile"), whole_file=True),
+          "k8s/*", "helm/*", "charts/*", ".github/workflows/*", "*.service", "Procfile", "*/crd/*", "*/crds/*",
+          "kustomization.y*ml", "*/kustomization.y*ml"), whole_file=True),
+    Rule("prod.dependencies", "production",  # a pinned or bounded dependency: what the deployed stack runs
+         r"^\s*[\"']?[A-Za-z0-9_.\-]+(\[[\w,.\-]+\])?\s*(==|>=|<=|~=|!=|<|>)\s*v?\d",
+         ("requirements*.txt", "*/requirements*.txt", "*.requirements", "pyproject.toml", "*/pyproject.toml",
+          "setup.py", "setup.cfg", "environment*.y*ml", "Pipfile", "constraints*.txt", "*/constraints*.txt")),
 )
 
 # Python AST: calls whose (dotted) name, or keyword arguments whose name, mark a category.
@@ -158,6 +211,81 @@ def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
     return out
 
 
+KERNEL_WRITES = re.compile(r"\btl\.(store|atomic_\w+|debug_barrier)\b")
+
+
+def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> list[RiskFinding]:
+    """Findings from where a changed code line lies, whatever its words.  Inside a Python GPU kernel's body
+    (``source_lines.KERNEL_DECORATOR``): numerics, as a kernel's every line is the numbers it computes, and
+    its stores, atomics and barriers concurrency too (which program writes where, and when).  Inside a
+    with-block that holds a lock, on either side of the patch: concurrency (what the critical section
+    covers)."""
+    out = []
+    for no, text, code, regions in lines:
+        if no in regions.kernels:
+            out.append(RiskFinding(rule="ast.kernel-body", category="numerics", file=path, line=no, text=text))
+            if KERNEL_WRITES.search(code):
+                out.append(RiskFinding(rule="ast.kernel-writes", category="concurrency", file=path, line=no,
+                                       text=text))
+        if no in regions.locked:
+            out.append(RiskFinding(rule="ast.locked-region", category="concurrency", file=path, line=no, text=text))
+    return out
+
+
+def default_findings(f, new_source: str | None, old_source: str | None) -> list[RiskFinding]:
+    """A setting whose value the patch changes (``source_lines.defaults``: a parameter's default, a class
+    field, a module constant), whatever its name: every caller that relied on it now gets another
+    behaviour.  Production; the finding is on the added line that holds the new value."""
+    old, new = defaults(old_source, f.path), defaults(new_source, f.path)
+    added = dict(f.added)
+    out = []
+    for key, (value, line) in new.items():
+        if key in old and old[key][0] != value and line in added:
+            out.append(RiskFinding(rule="ast.default-changed", category="production", file=f.path, line=line,
+                                   text=added[line]))
+    return out
+
+
+def _old_source(tree: str | pathlib.Path | None, rel: str) -> str | None:
+    """The text of ``rel`` before the patch (a Python file of the tree), if there is one."""
+    if tree is None or not rel.endswith((".py", ".pyx")):
+        return None
+    path = pathlib.Path(tree) / rel
+    return path.read_text(errors="replace") if path.is_file() else None
+
+
+def _code_lines(f, new_source: str | None, old_source: str | None) -> list[tuple[int, str, str, Regions]]:
+    """(line, text, code, the regions of its side) for each changed line of ``f`` that carries code: comments are cut
+    off, lines of docstrings are dropped where the file's source (after the patch for added lines, before
+    it for removed ones) is known, and so is a run of changed lines whose code is the same on both sides
+    but for layout (``same_code``)."""
+    regions = {side: python_regions(src, f.path) if src is not None else Regions()
+               for side, src in (("+", new_source), ("-", old_source))}
+
+    def code_of(side: str, changed) -> list[tuple[int, str, str, Regions]]:
+        r = regions[side]
+        return [(no, text, code, r) for no, text in changed
+                if (code := code_part(f.path, text)).strip() and no not in r.docs]
+
+    out = []
+    for removed, added in f.blocks or [(f.removed, f.added)]:
+        old, new = code_of("-", removed), code_of("+", added)
+        if not same_code(f.path, [c for _, _, c, _ in old], [c for _, _, c, _ in new]):
+            out += new + old
+    return out
+
+
+def same_code(path: str, old: list[str], new: list[str]) -> bool:
+    """Whether two runs of code lines differ only in layout: whitespace in the C family and other
+    free-form files; trailing whitespace only in Python, where indentation is meaning."""
+    if path.endswith((".py", ".pyx", ".pyi")):
+        norm = str.rstrip
+    else:
+        def norm(c: str) -> str:
+            return "".join(c.split())
+    return len(old) == len(new) and all(norm(a) == norm(b) for a, b in zip(old, new))
+
+
 def _patched_sources(patch: Patch, tree: pathlib.Path) -> dict[str, str]:
     """The post-patch text of every Python file the patch touches, the whole patch applied to a
     scratch copy of the files it touches (a diff that does not apply is an error, whatever the file)."""
@@ -203,6 +331,7 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         if why:
             return Assessment(refused=f"the patch reaches what judges it: {why}")
         findings: list[RiskFinding] = []
+        lines = {f.path: _code_lines(f, sources.get(f.path), _old_source(tree, f.path)) for f in patch.files}
         custom = [Rule(r.id, r.category, r.pattern, tuple(r.paths)) for r in manifest.risk]
         for rule in (*BUILTIN, *custom):
             rx = re.compile(rule.pattern) if rule.pattern else None
@@ -215,10 +344,13 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
                     findings.append(RiskFinding(rule=rule.id, category=rule.category, file=f.path, line=first[0],
                                                 text=first[1]))
                     continue
-                for no, text in [*f.added, *f.removed]:
-                    if rx is not None and rx.search(text):
+                for no, text, code, _ in lines[f.path]:
+                    if rx is not None and rx.search(code):
                         findings.append(RiskFinding(rule=rule.id, category=rule.category, file=f.path, line=no,
                                                     text=text))
+        for f in patch.files:
+            findings += region_findings(f.path, lines[f.path])
+            findings += default_findings(f, sources.get(f.path), _old_source(tree, f.path))
         for rel, source in sources.items():
             findings += ast_findings(rel, source, added.get(rel, set()))
         seen, unique = set(), []

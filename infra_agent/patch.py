@@ -25,6 +25,8 @@ class FileChange:
     path: str
     added: list[tuple[int, str]] = field(default_factory=list)  # (new line number, text)
     removed: list[tuple[int, str]] = field(default_factory=list)  # (old line number, text)
+    # each run of changed lines between context lines: (its removed lines, its added lines)
+    blocks: list[tuple[list[tuple[int, str]], list[tuple[int, str]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,17 +48,24 @@ class Patch:
         old_path: str | None = None
         old_left = new_left = 0  # lines the current hunk still owes, from its header
         old_no = new_no = 0
+        in_block = False  # inside a run of changed lines
         for line in diff.splitlines():
             if old_left > 0 or new_left > 0:  # inside a hunk: the header's counts say what is what
                 tag, text = (line[:1], line[1:]) if line else (" ", "")
+                if tag in "+-" and not in_block:
+                    files[-1].blocks.append(([], []))
+                    in_block = True
                 if tag == "+":
                     files[-1].added.append((new_no, text))
+                    files[-1].blocks[-1][1].append((new_no, text))
                     new_no, new_left = new_no + 1, new_left - 1
                 elif tag == "-":
                     files[-1].removed.append((old_no, text))
+                    files[-1].blocks[-1][0].append((old_no, text))
                     old_no, old_left = old_no + 1, old_left - 1
                 elif tag == " ":
                     old_no, new_no, old_left, new_left = old_no + 1, new_no + 1, old_left - 1, new_left - 1
+                    in_block = False
                 elif tag == "\\":
                     pass  # "\ No newline at end of file"
                 else:
@@ -74,6 +83,7 @@ class Patch:
                 if not files:
                     raise PatchError("a hunk comes before any '+++ b/<path>' header")
                 old_no, new_no = int(h["old"]), int(h["new"])
+                in_block = False
                 old_left = int(h["oc"]) if h["oc"] is not None else 1
                 new_left = int(h["nc"]) if h["nc"] is not None else 1
         if old_left > 0 or new_left > 0:

@@ -39,9 +39,13 @@ CORPUS = {
     "tf32 allowed through the environment": ("target_stack/ops/utils.py", "import os\n",
                                              'import os\n\nos.environ.setdefault("NVIDIA_TF32_OVERRIDE", "1")\n',
                                              "held", "numerics"),
-    "a comment reworded": (CACHE, "        with self._lock:\n            if count > len(self._free):",
-                           "        with self._lock:  # one owner at a time\n            if count > len(self._free):",
-                           "held", "concurrency"),  # it touches the lock's line: a person looks
+    "a comment added to a lock's line": (CACHE, "        with self._lock:\n            if count > len(self._free):",
+                                         "        with self._lock:  # one owner at a time\n"
+                                         "            if count > len(self._free):",
+                                         "clean", None),  # the code of the line is the same: nothing to review
+    "a line moved out of a lock's block": (CACHE, "                self._owner[i] = owner\n            return ids\n",
+                                           "                self._owner[i] = owner\n        return ids\n", "held",
+                                           "concurrency"),
     "a heading of the scenarios' notes": ("target_stack/scenarios/README.md", "# target_stack scenarios",
                                           "# The scenarios of target_stack", "clean", None),
 }

@@ -22,7 +22,8 @@ from infra_agent.workspace import GitWorkspace
 from tests.support.chat import ScriptedServer, ok, tool_call
 from tests.support.toy_agent import FIX, env_without_keys, make_toy
 
-RISKY_FIX = FIX.replace("+    return 1.0", "+    return 1.0  # within tolerance")
+# an epsilon floor: numerics by the gate's rules (its code, not a comment's words)
+RISKY_FIX = FIX.replace("+    return 1.0", "+    return max(1.0, 1e-12)")
 
 
 def _item(q: ReviewQueue, **kw) -> int:
@@ -147,7 +148,7 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
     assert item["state"] == "applied" and item["settled_by"] == "carol"
     head = repo.heads[ws.branch].commit
     assert head.hexsha == item["applied_commit"] != before and len(head.parents) == 2
-    assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return 1.0  # within tolerance"
+    assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return max(1.0, 1e-12)"
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
     from infra_agent.experiments import load_record
 
