@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 HASH_COMMENTS = (".py", ".pyx", ".pyi", ".sh", ".bash", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".cmake", ".txt")
-SLASH_COMMENTS = (".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".h", ".hh", ".hpp", ".hxx", ".inl", ".metal", ".mlir")
+SLASH_COMMENTS = (".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".h", ".hh", ".hpp", ".hxx", ".inl", ".metal", ".mlir",
+                  ".go", ".rs", ".java", ".js", ".ts", ".proto", ".swift", ".kt")
 # decorators that make a Python function device code: triton.jit, triton.autotune / heuristics stacked on
 # it, numba.cuda.jit, tilelang.jit, cute.kernel / cute.jit, T.prim_func, torch.jit.script
 KERNEL_DECORATOR = re.compile(r"(^|\.)(jit|autotune|heuristics|kernel|prim_func|script)$")
