@@ -19,6 +19,7 @@ from target_stack.model.model import PRESETS, HybridModel, ModelConfig
 ENGINE = "target_stack/engine/engine.py"
 SCHEDULER = "target_stack/engine/scheduler.py"
 RUNNER = "target_stack/engine/runner.py"
+PREFIX = "target_stack/engine/prefix.py"
 DISAGG_TRANSFER = "target_stack/engine/disagg/transfer.py"
 DISAGG_WORKERS = "target_stack/engine/disagg/workers.py"
 NATIVE = "target_stack/ops/moe/native/__init__.py"
@@ -32,10 +33,22 @@ def _greedy_recompute(model: HybridModel, prompt: list[int], n: int) -> list[int
     return seq[len(prompt):]
 
 
+def _first_off_greedy(model: HybridModel, prompt: list[int], tokens: list[int]) -> tuple[int, int] | None:
+    """(i, the recompute's token) for the first of ``tokens`` that is not the argmax of a full recompute of
+    ``prompt + tokens[:i]``, or None: the same verdict as ``_greedy_recompute``, in one forward (teacher forced)."""
+    if not tokens:
+        return None
+    logits = model(torch.tensor([prompt + tokens[:-1]], device=model.embed.device))[0, len(prompt) - 1:]
+    want = logits.argmax(-1).tolist()
+    return next(((i, w) for i, (t, w) in enumerate(zip(tokens, want, strict=True)) if t != w), None)
+
+
 @probe(kind="correctness")
 def engine_correctness(ctx: ProbeContext) -> None:
     """Greedy outputs of the batched engine (paged KV, slot pool, pooled decode) equal a full
-    recompute of the whole sequence for every token."""
+    recompute of the whole sequence for every token; stop tokens end a request where they come; with
+    ``limits``, requests at the boundaries of the page size and the model length (``_limit_cases``)
+    run to the same outputs, and those one past the model length are refused."""
     gen = fresh_generator()
     model = HybridModel(ModelConfig(kda_backend=ctx.params.get("kda_backend", "auto")))
     n = int(ctx.params.get("max_tokens", 4))
@@ -51,8 +64,96 @@ def engine_correctness(ctx: ProbeContext) -> None:
             ctx.fail(f"engine token {first} differs from a full recompute ({out.tokens} vs {ref})",
                      file=RUNNER, symbol="ModelRunner.decode" if first else "ModelRunner.prefill",
                      condition=f"prompt length {len(prompt)}")
-    ctx.metric("mismatched_requests", mismatches, better="lower")
     _check_stop_tokens(ctx, model, prompts, max(n, 4), gen)
+    if "limits" in ctx.params:
+        mismatches += _check_limits(ctx, model, gen, **ctx.params["limits"])
+    ctx.metric("mismatched_requests", mismatches, better="lower")
+
+
+def _limit_cases(ps: int, limit: int) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int]]]:
+    """Batches of (prompt length, max_tokens) the engine must run, and requests it must refuse, for pages of
+    ``ps`` positions and a model length ``limit``: a batch of one exactly at the limit with max_tokens = 1; a
+    page-aligned prompt decoding through a whole new page to exactly the limit; prompts one below, at and
+    one past a page multiple finishing in the same step; the same finishing at different steps, one of them
+    at its prefill (max_tokens = 1).  Refused: one position past the limit, by the prompt alone or by its
+    max_tokens."""
+    aligned = (limit - 1) // ps * ps  # the last page boundary short of the limit
+    batches = [[(limit - 1, 1)], [(aligned, limit - aligned)],
+               [(ps - 1, 2), (ps, 2), (ps + 1, 2)], [(2 * ps - 1, 1), (2 * ps, 3), (2 * ps + 1, 5)]]
+    refused = [(limit, 1), (aligned, limit - aligned + 1), (limit + 1, 1)]
+    return batches, refused
+
+
+def _check_limits(ctx: ProbeContext, model: HybridModel, gen: torch.Generator, page_size: int,
+                  max_model_len: int) -> int:
+    """Requests at the boundaries of the engine's limits (see ``_limit_cases``) on an engine of small pages and a
+    short model length: every request that fits (prompt + max_tokens <= max_model_len) is accepted and its greedy
+    output is a full recompute's, ``max_tokens`` long; one that does not is refused at ``add_request`` with a
+    ``RequestError`` naming max_model_len.  Returns the mismatched (or wrongly refused) requests."""
+    from target_stack.engine.sequence import RequestError
+
+    vocab = model.cfg.vocab
+    batches, refused = _limit_cases(page_size, max_model_len)
+    bad = 0
+    for batch in batches:
+        engine = LLMEngine(model, device=ctx.device, page_size=page_size, max_model_len=max_model_len)
+        shape = " + ".join(f"{L}+{n}" for L, n in batch)
+        ids = {}
+        for L, n in batch:
+            prompt = torch.randint(0, vocab, (L,), generator=gen).tolist()
+            cond = f"prompt {L} + max_tokens {n} = {L + n} of max_model_len {max_model_len} (pages of " \
+                   f"{page_size}), in a batch of {len(batch)} ({shape})"
+            try:
+                ids[engine.add_request(prompt, SamplingParams(max_tokens=n))] = (prompt, n, cond)
+            except RequestError as e:
+                bad += 1
+                ctx.fail(f"a request that fits the model length was refused: {e}", file=ENGINE,
+                         symbol="LLMEngine.add_request", condition=cond)
+        outs = {}
+        for _ in range(max_model_len + 2):  # every request ends within max_tokens steps after its prefill
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                outs[o.id] = o
+        for rid, (prompt, n, cond) in ids.items():
+            out = outs.get(rid)
+            off = None if out is None else _first_off_greedy(model, prompt, out.tokens)
+            if out is not None and len(out.tokens) == n and out.finish_reason == "length" and off is None:
+                continue
+            bad += 1
+            if out is None:
+                ctx.fail("the request never finished", file=ENGINE, symbol="LLMEngine.step", condition=cond)
+            elif off is not None:
+                i, want = off
+                ctx.fail(f"engine token {i} is {out.tokens[i]}, a full recompute's {want} (outputs {out.tokens})",
+                         file=RUNNER, symbol="ModelRunner.decode" if i else "ModelRunner.prefill", condition=cond)
+            else:
+                ctx.fail(f"ended {out.finish_reason!r} after {len(out.tokens)} tokens, not 'length' after {n}",
+                         file=ENGINE, symbol="LLMEngine._append", condition=cond)
+    engine = LLMEngine(model, device=ctx.device, page_size=page_size, max_model_len=max_model_len)
+    for L, n in refused:
+        prompt = torch.randint(0, vocab, (L,), generator=gen).tolist()
+        cond = f"prompt {L} + max_tokens {n} = {L + n}, one past max_model_len {max_model_len}" \
+            if L + n == max_model_len + 1 else f"prompt {L} + max_tokens {n} = {L + n} > max_model_len {max_model_len}"
+        try:
+            rid = engine.add_request(prompt, SamplingParams(max_tokens=n))
+        except RequestError as e:
+            ctx.check("max_model_len" in str(e), f"refused without naming the limit: {e}", file=ENGINE,
+                      symbol="LLMEngine.add_request", condition=cond)
+            continue
+        except Exception as e:  # noqa: BLE001
+            ctx.fail(f"refused with {type(e).__name__} instead of a RequestError: {e}", file=ENGINE,
+                     symbol="LLMEngine.add_request", condition=cond)
+            continue
+        bad += 1
+        ctx.fail("a request longer than the model length was accepted", file=ENGINE, symbol="LLMEngine.add_request",
+                 condition=cond)
+        engine.cancel(rid)
+        engine.step()
+    ctx.check(not engine.has_unfinished() and not engine.scheduler.waiting, "refused requests were kept: "
+              f"{len(engine.seqs)} request(s), {len(engine.scheduler.waiting)} queued", file=ENGINE,
+              symbol="LLMEngine.add_request", condition=f"requests past max_model_len {max_model_len} refused")
+    return bad
 
 
 def _steer(runner, forced: dict[int, dict[int, int]], banned: dict[int, int]) -> None:
@@ -198,43 +299,106 @@ def _check_swap_snapshot(ctx: ProbeContext, model: HybridModel, prompt: list[int
 def prefix_reuse(ctx: ProbeContext) -> None:
     """A prefill that starts from a cached prefix (shared KV pages, KDA states rebuilt by ReplaySSM)
     against a full prefill of the same prompt, for prompts that extend a cached one and prompts that
-    leave it inside its ring; then the cache's page references after eviction and clearing."""
-    from target_stack.ops.kda.testing import rel_err
-
+    leave it inside its ring; then page boundaries: prompts one below, at and one past a page multiple,
+    resent whole and sent as a prefix of the cached prompt (a hit is the longest cached page-aligned
+    prefix that leaves at least one token to prefill); then the cache's page references after
+    eviction and clearing."""
     gen = fresh_generator()
     p = ctx.params
+    ps = int(p.get("page_size", 16))
     model = HybridModel("tiny")
     vocab = model.cfg.vocab
-    base = torch.randint(0, vocab, (p["base_length"],), generator=gen).tolist()
-    cached = LLMEngine(model, device=ctx.device, prefix_cache=True, prefix_ring=p.get("ring", 64))
-    plain = LLMEngine(model, device=ctx.device)
+    draw = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    base = draw(p["base_length"])
+    cached = LLMEngine(model, device=ctx.device, page_size=ps, prefix_cache=True, prefix_ring=p.get("ring", 64))
+    plain = LLMEngine(model, device=ctx.device, page_size=ps)
     cached.generate([base], SamplingParams(max_tokens=1))
     worst, hits = 0.0, 0
     for keep, extra in p["cases"]:  # (positions of base kept, new tokens after them)
-        tokens = base[:keep] + torch.randint(0, vocab, (extra,), generator=gen).tolist()
-        logits = {}
-        for name, engine in (("cached", cached), ("plain", plain)):
-            engine.add_request(tokens, SamplingParams(max_tokens=1))
-            seq = engine.scheduler.schedule().prefill[0]
-            hits += bool(seq.reused) and name == "cached"
-            logits[name] = engine.runner.prefill_from(seq)[0]
-            engine.cancel(seq.id)
-            engine.step()
-        err = rel_err(logits["cached"], logits["plain"])
-        worst = max(worst, err)
-        ctx.check(err <= p["max_rel_err"], f"a prefill from the cached prefix differs from a full prefill: "
-                  f"rel. err. {err:.2e}", file=RUNNER, symbol="ModelRunner.prefill_from",
-                  condition=f"kept {keep} of {len(base)} cached positions, {extra} new")
+        tokens = base[:keep] + draw(extra)
+        err, hit = _prefill_against_full(ctx, cached, plain, tokens, f"kept {keep} of {len(base)} cached positions, "
+                                         f"{extra} new")
+        worst, hits = max(worst, err), hits + hit
+    ctx.check(hits == len(p["cases"]), f"only {hits} of {len(p['cases'])} prompts reused the cached prefix",
+              file=PREFIX, symbol="PrefixCache.match")
+    # page boundaries: (tokens, the cached prompt they are matched against, what they are)
+    bounds = p.get("boundary", {})
+    sent = [draw(n * ps + d) for n in bounds.get("resend_pages", []) for d in (-1, 0, 1)]
+    if sent:  # cached through the engine (outputs against the uncached engine), then sent again
+        _same_outputs(ctx, cached, plain, sent, SamplingParams(max_tokens=2), "first sent, then cached")
+    boundary = [(q, q, "resent whole") for q in sent]
+    boundary += [(base[:n * ps + d], base, f"a prefix of the cached {len(base)}-position prompt")
+                 for n in bounds.get("prefix_pages", []) for d in (-1, 0, 1)]
+    for tokens, source, what in boundary:
+        m = len(tokens)
+        cond = f"a {m}-position prompt ({_page_relation(m, ps)}), {what}"
+        want = min(m - 1, len(source)) // ps * ps  # the longest cached page boundary short of the whole prompt
+        err, hit = _prefill_against_full(ctx, cached, plain, tokens, cond, want=want)
+        worst, hits = max(worst, err), hits + hit
     ctx.metric("max_rel_err", worst, better="lower")
     ctx.metric("hits", hits, better="higher")
-    ctx.check(hits == len(p["cases"]), f"only {hits} of {len(p['cases'])} prompts reused the cached prefix",
-              file="target_stack/engine/prefix.py", symbol="PrefixCache.match")
     problems = cached.leaks()
     cached.clear_prefix_cache()
     leaked = len(problems["pages"]) + len(problems["prefix"]) + cached.usage()["pages_used"]
     ctx.metric("leaked_pages", leaked, better="lower")
     ctx.check(not leaked, f"pages or references left after clearing the cache: {problems}",
-              file="target_stack/engine/prefix.py", symbol="PrefixCache")
+              file=PREFIX, symbol="PrefixCache")
+
+
+def _page_relation(m: int, ps: int) -> str:
+    d = (m + ps // 2) % ps - ps // 2  # signed distance to the nearest page multiple
+    return f"{'at' if d == 0 else 'one below' if d == -1 else 'one past' if d == 1 else f'{d:+d} from'} " \
+           f"a multiple of the page size {ps}"
+
+
+def _prefill_against_full(ctx: ProbeContext, cached: LLMEngine, plain: LLMEngine, tokens: list[int], cond: str,
+                          want: int | None = None) -> tuple[float, bool]:
+    """The prefill of ``tokens`` the prefix-cached engine schedules against the uncached engine's full prefill
+    (neither enters the cache: both are cancelled before their step).  ``want``: the positions the hit must reuse.
+    Returns (relative error, whether it reused a cached prefix)."""
+    from target_stack.ops.kda.testing import rel_err
+
+    logits, reused, ok = {}, 0, True
+    for name, engine in (("cached", cached), ("plain", plain)):
+        engine.add_request(tokens, SamplingParams(max_tokens=1))
+        seq = engine.scheduler.schedule().prefill[0]
+        if name == "cached":
+            reused = seq.reused
+            ok = ctx.check(reused < len(tokens), f"the prefix hit covers {reused} positions of a {len(tokens)}-"
+                           "position prompt: nothing is left to prefill (no logits for its first token)",
+                           file=PREFIX, symbol="PrefixCache.match", condition=cond)
+            if ok and want is not None:
+                ok = ctx.check(reused == want, f"the prefix hit reuses {reused} positions; the longest cached page-"
+                               f"aligned prefix that leaves a token to prefill has {want}", file=PREFIX,
+                               symbol="PrefixCache.match", condition=cond)
+        try:
+            logits[name] = engine.runner.prefill_from(seq)[0]
+        except Exception as e:  # noqa: BLE001 - reported, and the next case still runs
+            if name == "plain" or ok:  # a prefill from a hit already reported wrong is that hit's failure
+                ctx.fail(f"the {name} engine's prefill raised {type(e).__name__}: {e}", file=RUNNER,
+                         symbol="ModelRunner.prefill_from", condition=cond)
+        engine.cancel(seq.id)
+        engine.step()
+    if len(logits) < 2:
+        return 0.0, bool(reused)
+    err = rel_err(logits["cached"], logits["plain"])
+    ctx.check(err <= ctx.params["max_rel_err"], f"a prefill from the cached prefix differs from a full prefill: "
+              f"rel. err. {err:.2e}", file=RUNNER, symbol="ModelRunner.prefill_from",
+              condition=f"{cond}, {reused} positions reused")
+    return err, bool(reused)
+
+
+def _same_outputs(ctx: ProbeContext, engine: LLMEngine, other: LLMEngine, prompts: list[list[int]],
+                  params: SamplingParams, what: str) -> None:
+    """``engine``'s outputs for ``prompts`` (one batch, none of them cached yet) are ``other``'s (the same engine
+    without a prefix cache), token for token, with the same finish: what differs is their recording."""
+    outs, refs = engine.generate(prompts, params), other.generate(prompts, params)
+    for prompt, out, ref in zip(prompts, outs, refs, strict=True):
+        ctx.check((out.tokens, out.finish_reason) == (ref.tokens, ref.finish_reason),
+                  f"{out.tokens} ({out.finish_reason}) with the prefix cache, {ref.tokens} ({ref.finish_reason}) "
+                  "without", file=PREFIX, symbol="PrefixCache.insert",
+                  condition=f"a {len(prompt)}-position prompt ({_page_relation(len(prompt), engine.page_size)}), "
+                  f"{what}")
 
 
 @probe(kind="events")

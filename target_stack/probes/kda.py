@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 
 import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
 from feedback.correctness import compare_sweep, error_growth, fresh_generator, partitioned_vs_whole, rel_err
 from feedback.probe import ProbeContext, probe
-from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, kda_gate, naive_recurrent_kda
+from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import alloc, poisoning, resolve_dot_precision, set_poison
 from target_stack.probes.reference import finite, isolated
+from target_stack.probes.reference import softplus as ref_softplus
 
 set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
+# small tensors: an OpenMP team costs more than it saves, worst on shared cores (the float64 token loop of a
+# 2-head, 24-wide case took 2 s with the default threads on a busy 2-core machine, 0.02 s with one)
+torch.set_num_threads(1)
 
 CHUNK = "target_stack/ops/kda/chunk.py"
 RECURRENT = "target_stack/ops/kda/fused_recurrent.py"
@@ -35,11 +40,15 @@ def _ref(q, k, v, g, beta, h0=None):
 def _case_inputs(case: dict, gen: torch.Generator):
     """Inputs of one sweep case: make_inputs' shapes, or the input conditions a case names.
 
-    ``seqlens``: one packed varlen batch (``cu_seqlens``) of these lengths; ``g``: "zero" (no decay)
-    or "saturated" (the state forgets everything each token); ``beta``: "low" (~0) or "high" (~1);
-    ``l2norm``: raw q, k that the kernel normalises; ``beta_sigmoid``: beta logits the kernel squashes;
-    ``h0``: an initial state per sequence; ``gate_in_kernel``: g is the raw gate input, and ``A_log`` and
-    ``dt_bias`` follow h0 in the inputs (the kernel computes the decay, the reference ``kda_gate``);
+    ``seqlens``: one packed varlen batch (``cu_seqlens``) of these lengths; ``g``: "zero" (no decay),
+    "saturated" (the state forgets everything each token) or "extreme" (per channel and token, log decays
+    of every size from 1e-7 to ``g_max``, default 20: no decay beside a complete reset); ``beta``: "low"
+    (~0) or "high" (~1); ``l2norm``: raw q, k that the kernel normalises; ``beta_sigmoid``: beta logits the
+    kernel squashes; ``h0``: an initial state per sequence; ``magnitude``: q, v and the initial state (and
+    with ``l2norm`` the raw k) scaled by it (near-zero or large activations; the output scales with them);
+    ``gate_in_kernel``: g is the raw gate input, and ``A_log`` and ``dt_bias`` follow h0 in the inputs (the
+    kernel computes the decay, the reference the float64 formula); ``raw_gate``: "extreme" (raw gate inputs
+    of both signs and every size, and softplus's edges up to 1e30: ``raw_gate``);
     ``dtype``: q, k, v, g and beta in that dtype (``bfloat16``, ``float16``; the initial state stays fp32),
     the path a server's 16-bit activations take, held to the float64 model of the same rounded inputs.
     """
@@ -53,6 +62,10 @@ def _case_inputs(case: dict, gen: torch.Generator):
         g = -1e-6 * rand(B, T, H, K)
     elif case.get("g") == "saturated":
         g = -20.0 - 20.0 * rand(B, T, H, K)
+    elif case.get("g") == "extreme":
+        g = -magnitudes((B, T, H, K), gen, 1e-7, float(case.get("g_max", 20.0)))
+    elif case.get("g") is not None:
+        raise ValueError(f"g must be 'zero', 'saturated' or 'extreme', got {case['g']!r}")
     if case.get("beta") == "low":
         beta = 1e-4 * rand(B, T, H) + 1e-6
     elif case.get("beta") == "high":
@@ -61,25 +74,53 @@ def _case_inputs(case: dict, gen: torch.Generator):
         q, k = (3 * torch.randn(B, T, H, K, generator=gen, device=dev) for _ in range(2))
     if case.get("beta_sigmoid"):
         beta = 3 * torch.randn(B, T, H, generator=gen, device=dev)
+    m = float(case.get("magnitude", 1.0))
+    q, v = q * m, v * m
+    if case.get("l2norm"):
+        k = k * m
     if case.get("dtype"):
         low = getattr(torch, case["dtype"])
         q, k, v, g, beta = (x.to(low) for x in (q, k, v, g, beta))
     n = len(lengths) if lengths else B
-    h0 = torch.randn(n, H, K, V, generator=gen, device=dev) if case.get("h0") else None
+    h0 = m * torch.randn(n, H, K, V, generator=gen, device=dev) if case.get("h0") else None
     if case.get("gate_in_kernel"):
-        raw, a_log, dt_bias = raw_gate(B, T, H, K, gen)
+        raw, a_log, dt_bias = raw_gate(B, T, H, K, gen, extreme=case.get("raw_gate") == "extreme")
         return q, k, v, raw, beta, h0, a_log, dt_bias
     return q, k, v, g, beta, h0
 
 
-def raw_gate(B: int, T: int, H: int, K: int, gen: torch.Generator):
+#: raw gate inputs where softplus and the fp32 arithmetic around it change behaviour: torch's (and the
+#: kernels') linear branch above 20, the float64 reference's above 30, fp32 exp() overflowing above ~88.7
+#: and underflowing to subnormals below ~-87.3, and far beyond
+GATE_BOUNDARIES = (0.0, 1e-7, 19.99, 20.0, 20.01, 30.0, 87.3, 88.7, 88.8, 89.0, 100.0, 1e3, 1e4, 1e30)
+
+
+def magnitudes(shape, gen: torch.Generator, lo: float, hi: float) -> torch.Tensor:
+    """Positive values log-uniform over [lo, hi] (every order of magnitude alike) on the generator's device."""
+    u = torch.rand(*shape, generator=gen, device=gen.device, dtype=torch.float64)
+    return (math.log(lo) + (math.log(hi) - math.log(lo)) * u).exp().float()
+
+
+def raw_gate(B: int, T: int, H: int, K: int, gen: torch.Generator, extreme: bool = False):
     """(raw gate input ``[B, T, H, K]``, A_log ``[H]``, dt_bias ``[H * K]``) on the generator's device, drawn
-    so that the decay spans slow to fast and some inputs take softplus's linear branch (above 20)."""
+    so that the decay spans slow to fast and some inputs take softplus's linear branch (above 20).  With
+    ``extreme``: raw inputs of both signs log-uniform over 1e-7 .. 1e4 in magnitude, and among them
+    softplus's inputs (raw + dt_bias) at every ``GATE_BOUNDARIES`` value with both signs (decays from exactly
+    1 to exactly 0)."""
     dev = gen.device
-    raw = 3 * torch.randn(B, T, H, K, generator=gen, device=dev)
-    raw.view(-1)[:: 97] += 25.0
+    shape = (B, T, H, K)
+    if extreme:
+        sign = torch.where(torch.rand(*shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)
+        raw = sign * magnitudes(shape, gen, 1e-7, 1e4)
+    else:
+        raw = 3 * torch.randn(*shape, generator=gen, device=dev)
+        raw.view(-1)[:: 97] += 25.0
     a_log = 0.3 * torch.randn(H, generator=gen, device=dev) - 1.0
     dt_bias = torch.randn(H * K, generator=gen, device=dev) - 1.0
+    if extreme:
+        edges = torch.tensor([s * b for b in GATE_BOUNDARIES for s in (1.0, -1.0)], device=dev)
+        at = torch.randperm(raw.numel(), generator=gen, device=dev)[:edges.numel()]
+        raw.view(-1)[at] = edges[:at.numel()] - dt_bias[at % (H * K)]  # raw + dt_bias lands on the edge
     return raw, a_log, dt_bias
 
 
@@ -144,15 +185,24 @@ def _case_ref(case: dict):
 
 def _in_kernel64(q, k, g, beta, a_log, dt_bias, *, l2norm, beta_sigmoid, gate):
     """q, k, g, beta in float64 with what a kernel call does itself done here: the q/k L2 norms, the beta
-    sigmoid, the gate activation (``kda_gate``), as its flags say."""
+    sigmoid, the gate activation (``gate64``), as its flags say."""
     q, k, g, beta = q.double(), k.double(), g.double(), beta.double()
     if l2norm:
         q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
     if beta_sigmoid:
         beta = torch.sigmoid(beta)
     if gate:
-        g = kda_gate(g, a_log, dt_bias)
+        g = gate64(g, a_log, dt_bias)
     return q, k, g, beta
+
+
+def gate64(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """KDA's log decay -exp(A_log[h]) * softplus(raw + dt_bias[h, :]) in float64, written out here (not
+    ``kda_gate``, the serving code's own): exact softplus for every finite input (linear above 30, where
+    log1p(exp(x)) - x < 1e-13)."""
+    H, K = raw.shape[-2:]
+    x = raw.double() + (0.0 if dt_bias is None else dt_bias.double().reshape(H, K))
+    return -a_log.double().exp()[:, None] * ref_softplus(x)
 
 
 def _poison_contract(ctx: ProbeContext) -> None:

@@ -86,10 +86,31 @@ def _check_mlp(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
 
 
 def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
-    """The MoE op's torch forms on float64-chosen experts and weights (no routing margin involved):
-    the expert groups, the masked dense form, the op's own reference, and on a GPU in bf16 the
-    grouped GEMMs.  Each against the float64 definition without the shared expert."""
+    """The MoE op's forms on float64-chosen experts and weights (no routing margin involved): the expert
+    groups, the masked dense form, the op's own reference, every form of the small-batch experts, and on
+    a GPU in bf16 the grouped GEMMs.  Each against the float64 definition.  The small-batch experts run
+    over their own token sweep too: from one token up to the most the layer sends them, past their tiles."""
     from target_stack.model.layers import MoE
+
+    c = ctx.params["moe"]
+    sb = c.get("small_batch", {})
+    forms = sb.get("forms", {"token": []})  # form -> the token counts of its own sweep
+    for top_k in c.get("top_k", [2]):
+        for T in c["tokens"]:
+            moe = MoE(c["dim"], c["hidden"], c["experts"], top_k, draw.cpu).to(ctx.device)
+            _check_moe_forms(ctx, chk, moe, draw.randn(T, c["dim"]), list(forms))
+        dim = sb.get("dim", c["dim"])
+        moe = MoE(dim, sb.get("hidden", c["hidden"]), c["experts"], top_k, draw.cpu).to(ctx.device)
+        for T in sorted({T for counts in forms.values() for T in counts}):
+            _check_moe_forms(ctx, chk, moe, draw.randn(T, dim), [f for f, counts in forms.items() if T in counts],
+                             only_small=True)
+
+
+def _check_moe_forms(ctx: ProbeContext, chk: Checker, moe, x: torch.Tensor, small_forms: list[str],
+                     only_small: bool = False) -> None:
+    """Every combine form of the MoE op on ``moe``'s float64-chosen experts for the tokens x [T, dim]
+    (the router bias steers the choice), against the float64 definition; the small-batch experts (with
+    the shared expert) in each of ``small_forms`` where the layer would send them the batch."""
     from target_stack.ops.moe import (
         device_layout,
         expert_groups,
@@ -103,43 +124,64 @@ def _check_moe_ops(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
     from target_stack.ops.moe.small_batch import small_batch_experts, stack_with_shared
 
     c = ctx.params["moe"]
-    for top_k in c.get("top_k", [2]):
-        for T in c["tokens"]:
-            moe = MoE(c["dim"], c["hidden"], c["experts"], top_k, draw.cpu).to(ctx.device)
-            x = draw.randn(T, c["dim"])
-            w64, idx, _ = ref.moe_route(f64(x), moe)
-            want = ref.moe(f64(x), moe)[0] - ref.swiglu(f64(x), moe.shared)
-            w, idx = w64.float().to(x.device), idx.to(x.device)
-            E, stacked = c["experts"], moe.stacked_weights()
-            forms = {(MOE_GROUPED, "expert_groups"):
-                     lambda x=x, w=w, idx=idx, moe=moe, k=top_k, E=E: expert_groups(x, w, *sort_pairs(idx, E),
-                                                                                    moe.experts, k),
-                     (MOE_GROUPED, "masked_dense"): lambda x=x, w=w, idx=idx, s=stacked: masked_dense(x, w, idx, *s),
-                     (MOE_REFERENCE, "moe_reference"): lambda x=x, w=w, idx=idx, moe=moe: moe_reference(x, w, idx,
-                                                                                                         moe.experts)}
-            tol = None
-            if ctx.device == "cuda" and hasattr(torch, "_grouped_mm"):
-                xb = x.to(torch.bfloat16)
-                if moe._grouped_ok(xb):  # the module stays fp32: the fp32 forms above run on it too
-                    weights = grouped_gemm_weights(*moe.stacked_weights(), torch.bfloat16)
-                    forms[(MOE_GROUPED, "grouped_gemm")] = lambda xb=xb, w=w, idx=idx, g=weights, k=top_k, E=E: \
-                        grouped_gemm(xb, w, *device_layout(idx, E), *g, k)
-                tol = float(c.get("bf16_tolerance", 3e-2))
-            cond = f"T={T}, experts={E}, top_k={top_k}, float64-chosen experts"
-            for (file, symbol), fn in forms.items():
-                where = dict(file=file, symbol=symbol, condition=cond)
-                bf16 = symbol == "grouped_gemm"
-                with chk.guard(**where), torch.no_grad():
-                    chk.compare(fn(), want, "MoE combine", tolerance=tol if bf16 else None,
-                                metric="max_rel_err_bf16" if bf16 else None, **where)
-            if T <= SMALL_BATCH_TOKENS:  # the two-launch kernel, shared expert included, on the same chosen experts
-                where = dict(file=SMALL_BATCH, symbol="small_batch_experts", condition=cond + ", shared expert")
-                with chk.guard(**where), torch.no_grad():
-                    mods = [*moe.experts, moe.shared]
-                    gu, down = stack_with_shared([m.w_gate for m in mods], [m.w_up for m in mods],
-                                                 [m.w_down for m in mods], x.dtype)
-                    chk.compare(small_batch_experts(x, w, idx, gu, down), want + ref.swiglu(f64(x), moe.shared),
-                                "small-batch experts", **where)
+    T, E, top_k = x.shape[0], len(moe.experts), moe.top_k
+    w64, idx, _ = ref.moe_route(f64(x), moe)
+    full = ref.moe(f64(x), moe)[0]
+    want = full - ref.swiglu(f64(x), moe.shared)
+    w, idx = w64.float().to(x.device), idx.to(x.device)
+    cond = f"T={T}, experts={E}, top_k={top_k}, float64-chosen experts"
+    if not only_small:
+        stacked = moe.stacked_weights()
+        forms = {(MOE_GROUPED, "expert_groups"): lambda: expert_groups(x, w, *sort_pairs(idx, E), moe.experts, top_k),
+                 (MOE_GROUPED, "masked_dense"): lambda: masked_dense(x, w, idx, *stacked),
+                 (MOE_REFERENCE, "moe_reference"): lambda: moe_reference(x, w, idx, moe.experts)}
+        tol = None
+        if ctx.device == "cuda" and hasattr(torch, "_grouped_mm"):
+            xb = x.to(torch.bfloat16)
+            if moe._grouped_ok(xb):  # the module stays fp32: the fp32 forms above run on it too
+                weights = grouped_gemm_weights(*moe.stacked_weights(), torch.bfloat16)
+                forms[(MOE_GROUPED, "grouped_gemm")] = lambda: grouped_gemm(xb, w, *device_layout(idx, E), *weights,
+                                                                            top_k)
+            tol = float(c.get("bf16_tolerance", 3e-2))
+        for (file, symbol), fn in forms.items():
+            where = dict(file=file, symbol=symbol, condition=cond)
+            bf16 = symbol == "grouped_gemm"
+            with chk.guard(**where), torch.no_grad():
+                chk.compare(fn(), want, "MoE combine", tolerance=tol if bf16 else None,
+                            metric="max_rel_err_bf16" if bf16 else None, **where)
+    if T > SMALL_BATCH_TOKENS:
+        return
+    for form in small_forms:  # the two-launch kernel (or the expert form's three), shared expert included
+        where = dict(file=SMALL_BATCH, symbol=f"small_batch_experts (form='{form}')",
+                     condition=cond + ", shared expert")
+        with chk.guard(**where), torch.no_grad():
+            mods = [*moe.experts, moe.shared]
+            gu, down = stack_with_shared([m.w_gate for m in mods], [m.w_up for m in mods],
+                                         [m.w_down for m in mods], x.dtype)
+            chk.compare(small_batch_experts(x, w, idx, gu, down, form=form), full,
+                        f"small-batch experts ({form} form)", **where)
+
+
+def _check_moe_shapes(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """Expert counts that are not powers of two (the kernels pad their expert lanes), top_k = 1 and
+    top_k = experts: the routing of both forms against the float64 choice, and every combine form on
+    the float64-chosen experts."""
+    from target_stack.model.layers import MoE
+
+    c = ctx.params["moe"]
+    shapes = c.get("shapes", {})
+    forms = shapes.get("small_batch", {"token": [1]})  # form -> the token counts it runs at
+    dim = shapes.get("dim", c["dim"])
+    for E, top_k in shapes.get("cases", []):
+        moe = MoE(dim, shapes.get("hidden", c["hidden"]), E, top_k, draw.cpu)
+        with torch.no_grad():
+            moe.router_bias.copy_(torch.randn(E, generator=draw.cpu) * c.get("bias_scale", 0.2))
+        moe.to(ctx.device)
+        for T in shapes.get("tokens", [1]):
+            x = draw.randn(T, dim)
+            _check_route(chk, moe, x, ref.moe(f64(x), moe)[1] > MARGIN,
+                         f"T={T}, experts={E}, top_k={top_k}, float32")
+            _check_moe_forms(ctx, chk, moe, x, [f for f, counts in forms.items() if T in counts])
 
 
 def _moe_paths(moe, bf16: bool) -> dict:
@@ -152,24 +194,28 @@ def _moe_paths(moe, bf16: bool) -> dict:
         finally:
             moe.grouped = True
 
-    def static(small_batch: bool):
-        def run(x):  # the graph-safe form with the two-launch experts (ops/moe/small_batch.py) or without them
-            before, moe.small_batch = moe.small_batch, small_batch
+    def static(small_batch: bool, form: str = "token"):
+        def run(x):  # the graph-safe form with the small-batch experts (ops/moe/small_batch.py, either form) or without
+            before = moe.small_batch, moe.small_batch_form
+            moe.small_batch, moe.small_batch_form = small_batch, form
             try:
                 return moe.forward_static(x)
             finally:
-                moe.small_batch = before
+                moe.small_batch, moe.small_batch_form = before
         return run
 
     paths = {"MoE.forward": moe, "MoE.forward (grouped=False)": ungrouped, "MoE.forward_static": static(False),
-             "MoE.forward_static (small_batch_experts)": static(True)}
+             "MoE.forward_static (small_batch_experts)": static(True),
+             "MoE.forward_static (small_batch_experts, form='expert')": static(True, "expert")}
     return {f"{name} bf16" if bf16 else name: fn for name, fn in paths.items()}
 
 
-def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, backend: str = "torch") -> None:
+def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, backend: str = "torch",
+              blame: dict[str, str] | None = None) -> None:
     """Routing (against the float64 choice) and the output of every path on tokens whose top-k margin is clear.
 
-    ``paths(moe, bf16)`` gives {symbol: callable} for a module; bf16 runs only on a GPU.
+    ``paths(moe, bf16)`` gives {symbol: callable} for a module; bf16 runs only on a GPU.  A path's failure is
+    blamed on ``file``, or on ``blame[symbol]`` where given (an op already found wrong on its own).
     """
     from target_stack.model.layers import MoE
 
@@ -191,7 +237,8 @@ def check_moe(ctx: ProbeContext, chk: Checker, draw: Draw, paths, file: str, bac
                 if dtype == torch.float32:
                     _check_route(chk, moe, x, clear, cond)
                 for symbol, fn in paths(moe, dtype == torch.bfloat16).items():
-                    where = dict(file=file, symbol=symbol, condition=cond)
+                    where = dict(file=(blame or {}).get(symbol.removesuffix(" bf16"), file), symbol=symbol,
+                                 condition=cond)
                     with chk.guard(**where), torch.no_grad():
                         out = fn(x)
                         chk.compare(out[clear.to(out.device)], out_ref[clear], "MoE output", tolerance=tol,
@@ -288,6 +335,48 @@ def _check_sparse_attention(ctx: ProbeContext, chk: Checker, draw: Draw) -> None
                             **where)
 
 
+def _check_sparse_pads(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """Key lengths at, below and one past multiples of the block, and below one block: a prefill of L
+    tokens, and a decode batch whose keys are padded to L (sequences of 1, about L / 2, L - 1 and L keys),
+    both decode forms; against the float64 definition where no block choice is a near-tie."""
+    from target_stack.model.layers import sparse_attention, sparse_decode_attention
+
+    c = ctx.params["attention"]
+    H, D, Di, blk, top_k, window = (c[n] for n in ("H", "D", "Di", "block", "top_k", "window"))
+    dev = ctx.device
+    for L in c.get("pads", []):
+        cond = f"L={L} keys ({L / blk:g} blocks of {blk}), top_k={top_k}, window={window}"
+        q, k, v = (draw.randn(L, H, D) for _ in range(3))
+        iq, ik = draw.randn(L, Di), draw.randn(L, Di)
+        out_ref, margin, _ = ref.sparse_attention(*(f64(t) for t in (q, k, v, iq, ik)), torch.arange(L), blk, top_k,
+                                                  window)
+        clear = margin > MARGIN
+        where = dict(file=LAYERS, symbol="sparse_attention", condition=f"prefill of {cond}")
+        with chk.guard(**where), torch.no_grad():
+            out = sparse_attention(q, k, v, iq, ik, blk, top_k, window)
+            chk.compare(out[clear.to(dev)], out_ref[clear], "sparse attention", **where)
+        lengths = sorted({1, (L + 1) // 2, max(L - 1, 1), L})
+        B = len(lengths)
+        kb, vb, ikb = draw.randn(B, L, H, D) * 30, draw.randn(B, L, H, D) * 30, draw.randn(B, L, Di) * 30  # padding
+        qb, iqb = draw.randn(B, H, D), draw.randn(B, Di)
+        refs = {}
+        for b, n in enumerate(lengths):
+            kb[b, :n], vb[b, :n], ikb[b, :n] = draw.randn(n, H, D), draw.randn(n, H, D), draw.randn(n, Di)
+            o_ref, m, _ = ref.sparse_attention(f64(qb[b:b + 1]), f64(kb[b, :n]), f64(vb[b, :n]), f64(iqb[b:b + 1]),
+                                               f64(ikb[b, :n]), torch.tensor([n - 1]), blk, top_k, window)
+            if m.item() > MARGIN:
+                refs[b] = o_ref
+        for fused, form, file in ((False, "torch", LAYERS), (True, "two-launch Triton", SPARSE_DECODE)):
+            where = dict(file=file, symbol="sparse_decode_attention",
+                         condition=f"decode over keys padded to {cond}, lengths {lengths}, {form} form")
+            with chk.guard(**where), torch.no_grad():
+                out = sparse_decode_attention(qb, kb, vb, iqb, ikb, torch.tensor(lengths, device=dev), blk, top_k,
+                                              window, fused=fused)
+                for b, o_ref in refs.items():
+                    chk.compare(out[b:b + 1], o_ref, f"decode attention of a sequence of {lengths[b]} ({form})",
+                                **where)
+
+
 @probe(kind="correctness")
 def layers(ctx: ProbeContext) -> None:
     """RMSNorm, SwiGLU, the MoE (routing, grouped / per-expert / graph-safe combine) and sparse
@@ -297,10 +386,16 @@ def layers(ctx: ProbeContext) -> None:
     _check_norm(ctx, chk, draw)
     _check_mlp(ctx, chk, draw)
     _check_moe_ops(ctx, chk, draw)
+    _check_moe_shapes(ctx, chk, draw)
     # the op's forms are right: a wrong layer output is the layer's (its routing, its choice, the shared expert)
     op_failed = any(f.location.file in (MOE_GROUPED, MOE_REFERENCE) for f in ctx.findings)
-    check_moe(ctx, chk, draw, _moe_paths, MOE_GROUPED if op_failed else LAYERS)
+    small_failed = {f.location.symbol for f in ctx.findings if f.location.file == SMALL_BATCH}
+    blame = {path: SMALL_BATCH for path, form in (("MoE.forward_static (small_batch_experts)", "token"),
+                                                  ("MoE.forward_static (small_batch_experts, form='expert')", "expert"))
+             if f"small_batch_experts (form='{form}')" in small_failed}
+    check_moe(ctx, chk, draw, _moe_paths, MOE_GROUPED if op_failed else LAYERS, blame=blame)
     _check_sparse_attention(ctx, chk, draw)
+    _check_sparse_pads(ctx, chk, draw)
     chk.report()
 
 
@@ -317,16 +412,17 @@ def moe_native(ctx: ProbeContext) -> None:
     symbol = "ts_moe_dispatch_combine (through native.moe_dispatch_combine)"
 
     def extension():
-        for T in c["tokens"]:
-            moe = MoE(c["dim"], c["hidden"], c["experts"], max(c.get("top_k", [2])), draw.cpu)
-            x = torch.randn(T, c["dim"], generator=draw.cpu)  # the extension takes CPU fp32 tensors
-            w, idx, _ = ref.moe_route(f64(x), moe)
-            want = ref.moe(f64(x), moe)[0] - ref.swiglu(f64(x), moe.shared)
-            where = dict(file=NATIVE_C, symbol=symbol, condition=f"T={T}, experts={c['experts']}, "
-                         "float64-chosen experts")
-            with chk.guard(**where), torch.no_grad():
-                out = moe_dispatch_combine(x, idx, w.float(), *moe.stacked_weights())
-                chk.compare(out, want, "native dispatch/combine", **where)
+        for top_k in c.get("top_k", [2]):  # every top_k: one expert per token up to all of them
+            for T in c["tokens"]:
+                moe = MoE(c["dim"], c["hidden"], c["experts"], top_k, draw.cpu)
+                x = torch.randn(T, c["dim"], generator=draw.cpu)  # the extension takes CPU fp32 tensors
+                w, idx, _ = ref.moe_route(f64(x), moe)
+                want = ref.moe(f64(x), moe)[0] - ref.swiglu(f64(x), moe.shared)
+                where = dict(file=NATIVE_C, symbol=symbol, condition=f"T={T}, experts={c['experts']}, top_k={top_k}, "
+                             "float64-chosen experts")
+                with chk.guard(**where), torch.no_grad():
+                    out = moe_dispatch_combine(x, idx, w.float(), *moe.stacked_weights())
+                    chk.compare(out, want, "native dispatch/combine", **where)
 
     failed = ctx.failed
     survived, _ = isolated(ctx, extension, chk, file=NATIVE_C, symbol=symbol)  # a crash here is the C code's
@@ -379,9 +475,29 @@ def _kv_bound(x: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.maximum(x.abs() * 2.0**-4, (scale * 2.0**-10).expand_as(x))
 
 
-def _kv_values(draw: Draw, T: int, H: int, D: int) -> torch.Tensor:
-    """Per-(token, head) magnitudes over five decades, so a scale shared across tokens or heads shows."""
-    return draw.randn(T, H, D) * 10.0 ** (draw.rand(T, H, 1) * 5 - 3)
+def _kv_values(draw: Draw, T: int, H: int, D: int, special: list[float] = ()) -> tuple[torch.Tensor, dict]:
+    """Per-(token, head) magnitudes over five decades, so a scale shared across tokens or heads shows; with
+    ``special``, degenerate-but-legal vectors at random (token, head) places: one rescaled to each of those
+    largest magnitudes (0: all zeros), and one with a single non-zero entry.  (values, {name: (token, head)})."""
+    x = draw.randn(T, H, D) * 10.0 ** (draw.rand(T, H, 1) * 5 - 3)
+    if not special:
+        return x, {}
+    at = [divmod(int(i), H) for i in draw.randperm(T * H)[:len(special) + 1]]
+    names = {}
+    for (t, h), mag in zip(at, special):
+        x[t, h] = x[t, h] / x[t, h].abs().max() * mag
+        names["an all-zero" if mag == 0 else f"a {'tiny' if mag < 1 else 'huge'} (largest |x| {mag:g})"] = (t, h)
+    t, h = at[-1]
+    keep = int(draw.randint(D, (1,)))
+    x[t, h, :keep], x[t, h, keep + 1:] = 0.0, 0.0
+    names["a one-hot"] = (t, h)
+    return x, names
+
+
+def _kv_ratio(got: torch.Tensor, want: torch.Tensor, kind: str) -> torch.Tensor:
+    """Each stored value's round-trip error over its format's bound (inf where the value came back NaN)."""
+    ratio = (f64(got) - f64(want)).abs() / (_kv_bound(f64(want), kind) * (1 + 1e-4) + 1e-30)
+    return ratio.nan_to_num(nan=float("inf"))
 
 
 @probe(kind="correctness")
@@ -395,30 +511,50 @@ def quant(ctx: ProbeContext) -> None:
     chk = Checker(ctx, p.get("tolerance", 1e-5))
     draw = Draw(ctx.device)
     dev = ctx.device
+    special = [float(m) for m in p.get("degenerate", [])]
     n_in, n_out = p.get("in_features", 256), p.get("out_features", 96)
     lin = torch.nn.Linear(n_in, n_out).to(dev)
     with torch.no_grad():
         lin.weight.copy_(_int8_clear(draw, n_out, n_in, (-1.5, -0.5)))
+        if special:  # an all-zero output channel: its scale must not divide by zero
+            lin.weight[int(draw.randint(n_out, (1,)))] = 0.0
         lin.bias.copy_(draw.randn(n_out) * 0.1)
     x = _int8_clear(draw, 18, n_in, (-2, 2)).reshape(2, 9, n_in)  # per-token magnitudes 1e-2 .. 1e2
     where = dict(file=QUANT, symbol="W8A8Linear.forward / quantize_per_token_int8 / quantize_weight_int8")
-    with chk.guard(**where), torch.no_grad():
-        out = W8A8Linear.from_linear(lin).to(dev)(x)
+
+    def exact(x: torch.Tensor) -> torch.Tensor:  # the int8 arithmetic of the definition, in float64
         qx, sx = _int8_per_row(f64(x))
         qw, sw = _int8_per_row(f64(lin.weight))
-        exact = (qx @ qw.T) * sx * sw.T + f64(lin.bias)
-        chk.compare(out, exact, "W8A8 against its int8 arithmetic", **where)
+        return (qx @ qw.T) * sx * sw.T + f64(lin.bias)
+
+    w8a8 = None
+    with chk.guard(**where), torch.no_grad():
+        w8a8 = W8A8Linear.from_linear(lin).to(dev)
+        out = w8a8(x)
+        chk.compare(out, exact(x), "W8A8 against its int8 arithmetic", **where)
         full = f64(x) @ f64(lin.weight).T + f64(lin.bias)
         mean_rel = ((f64(out) - full).abs().mean() / full.abs().mean()).item()
         ctx.metric("w8a8_mean_rel_diff", ref.finite(mean_rel), better="lower")
         ctx.check(mean_rel < p.get("w8a8_mean_rel", 0.05), f"W8A8 differs from the float linear by {mean_rel:.3f} "
                   "(mean relative)", **where)
+    # degenerate tokens, each judged on its own row (a relative error over the batch would hide a tiny one):
+    # all zeros, tiny and huge magnitudes, a single non-zero entry
+    tokens = {("an all-zero" if m == 0 else f"a {'tiny' if m < 1 else 'huge'} (largest |x| {m:g})"):
+              _int8_clear(draw, 1, n_in, (0, 0)) * m for m in special}  # amax 1, no rounding ties, rescaled
+    if special:
+        one = torch.zeros(1, n_in, device=dev)
+        one[0, int(draw.randint(n_in, (1,)))] = 3.0
+        tokens["a one-hot"] = one
+    for name, row in tokens.items():
+        at = dict(where, condition=f"{name} token")
+        with chk.guard(**at), torch.no_grad():
+            if w8a8 is not None:
+                chk.compare(w8a8(row), exact(row), f"W8A8 on {name} token against its int8 arithmetic", **at)
     T, H, D = p.get("kv_shape", [17, 4, 32])
     worst_ratio = 0.0
     stored = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
     for kind in p.get("kv_kinds", ["fp32", "bf16", "int8", "fp8"]):
-        x = _kv_values(draw, T, H, D)
-        bound = _kv_bound(f64(x), kind) * (1 + 1e-4) + 1e-30
+        x, degenerate = _kv_values(draw, T, H, D, special)
         where = dict(file=QUANT, symbol="quantize_kv / dequantize_kv", condition=f"kind={kind}")
         failed = ctx.failed
         with chk.guard(**where):
@@ -427,38 +563,46 @@ def quant(ctx: ProbeContext) -> None:
             if scale is not None:
                 ctx.check(tuple(scale.shape) == (T, H, 1), f"{kind} scales of shape {tuple(scale.shape)}, "
                           f"not per (token, head) {(T, H, 1)}", **where)
-            ratio = ((f64(dequantize_kv(values, scale)) - f64(x)).abs() / bound).max().item()
-            worst_ratio = max(worst_ratio, ratio)
+            ratios = _kv_ratio(dequantize_kv(values, scale), x, kind).amax(-1)  # [T, H]: each vector's worst
+            ordinary = torch.ones_like(ratios, dtype=torch.bool)
+            for name, (t, h) in degenerate.items():
+                ordinary[t, h] = False
+                r = ratios[t, h].item()
+                ctx.check(r <= 1, f"{kind} round trip of {name} vector: error {r:.2f}x its format's bound",
+                          **dict(where, condition=f"kind={kind}, {name} vector (token {t}, head {h})"))
+            ratio = ratios[ordinary].max().item()
+            worst_ratio = max(worst_ratio, ratios.max().item())
             ctx.check(ratio <= 1, f"{kind} round trip error {ratio:.2f}x its format's bound", **where)
         # a paged cache storing a broken format is off too: that is the format's fault
         where = dict(file=CACHE if ctx.failed == failed else QUANT, symbol="PagedKV.write / PagedKV.gather",
                      condition=f"kind={kind}")
         with chk.guard(**where):
-            worst_ratio = max(worst_ratio, _check_paged(ctx, PagedKV, kind, draw, where))
+            worst_ratio = max(worst_ratio, _check_paged(ctx, PagedKV, kind, draw, where, special))
     ctx.metric("kv_error_bound_ratio", ref.finite(worst_ratio), better="lower")
     chk.report()
 
 
-def _check_paged(ctx: ProbeContext, PagedKV, kind: str, draw: Draw, where: dict) -> float:
-    """Fill every slot of pages 1..n (then overwrite some), gather through a shuffled block table."""
+def _check_paged(ctx: ProbeContext, PagedKV, kind: str, draw: Draw, where: dict, special: list[float] = ()) -> float:
+    """Fill every slot of pages 1..n (then overwrite some), gather through a shuffled block table; the
+    ``special`` magnitudes' degenerate vectors (:func:`_kv_values`) among both writes."""
     n_pages, ps, H, D, Di = 6, 4, 3, 16, 8
     dev = ctx.device
     cache = PagedKV(n_pages + 1, ps, H, D, Di, kind, torch.device(dev))
     N = n_pages * ps
     page = (torch.arange(N) // ps + 1).to(dev)
     offset = (torch.arange(N) % ps).to(dev)
-    k, v = _kv_values(draw, N, H, D), _kv_values(draw, N, H, D)
+    k, v = _kv_values(draw, N, H, D, special)[0], _kv_values(draw, N, H, D, special)[0]
     ik = draw.randn(N, Di)
     cache.write(page, offset, k, v, ik)
     again = draw.randperm(N)[: N // 3]  # rewritten with other magnitudes
-    k[again], v[again] = _kv_values(draw, len(again), H, D), _kv_values(draw, len(again), H, D)
+    k[again], v[again] = _kv_values(draw, len(again), H, D, special)[0], _kv_values(draw, len(again), H, D, special)[0]
     cache.write(page[again], offset[again], k[again], v[again], ik[again])
     table = torch.stack([draw.randperm(n_pages)[:4] + 1 for _ in range(2)])
     ks, vs, iks = cache.gather(table, torch.float32)
     rows = ((table[..., None] - 1) * ps + torch.arange(ps, device=dev)).reshape(2, -1)  # token of each gathered slot
     worst = 0.0
     for name, got, want in (("keys", ks, k[rows]), ("values", vs, v[rows])):
-        ratio = ((f64(got) - f64(want)).abs() / (_kv_bound(f64(want), kind) * (1 + 1e-4) + 1e-30)).max().item()
+        ratio = _kv_ratio(got, want, kind).max().item()
         worst = max(worst, ratio)
         ctx.check(ratio <= 1, f"gathered {name} off by {ratio:.2f}x the {kind} bound", **where)
     ctx.check(torch.equal(iks.cpu(), ik[rows].float().cpu()), "gathered indexer keys differ from those written",
@@ -509,6 +653,7 @@ def _check_backend(ctx: ProbeContext, chk: Checker, draw: Draw, backend: str, fi
     y_ref, s_ref, full_ref, inputs_ref = ref.kda_layer(layer, f64(x))
     _, s_split, _, _ = ref.kda_layer(layer, f64(x[:, :split]))
     cond = f"backend={backend}, B={B}, T={T}"
+    _check_gate(ctx, chk, draw, layer, kernels)
     where = dict(file=prefill_file, symbol="KDALayer.prefill / _inputs / _output" + (" (chunk_kda)" if kernels
                  else ""), condition=f"{cond}, prefill {split}")
     state = None
@@ -572,6 +717,56 @@ def _check_torch_chunk_form(ctx: ProbeContext, chk: Checker, draw: Draw, H: int,
                                            output_final_state=True)
         chk.compare(o, o_ref, "chunked output", **where)
         chk.compare(s, s_ref, "chunked final state", **where)
+
+
+#: softplus inputs where the gate's arithmetic changes: the linear branch above 20 (torch's, the kernels'), fp32
+#: exp() overflowing above ~88.7 and going subnormal below ~-87.3, and far beyond; each is drawn with both signs
+GATE_EDGES = (0.0, 1e-7, 19.99, 20.0, 20.01, 30.0, 87.3, 88.7, 88.8, 89.0, 100.0, 1e3, 1e4, 1e30)
+
+
+def _check_gate(ctx: ProbeContext, chk: Checker, draw: Draw, layer, kernels: bool, rows: int = 6) -> None:
+    """The layer's gate -exp(A_log) softplus(f + dt_bias) (``kda_gate``, both backends; on the kernels' path
+    also the one-launch decode inputs' own) over projections f of both signs, log-uniform from 1e-7 to 1e4 in
+    size, and with f + dt_bias at every ``GATE_EDGES`` value, against the float64 formula, element by element:
+    |g - g64| <= tolerance * max(1, |g64|) (the decay exp(g)'s relative error where |g| <= 1, g's own beyond)."""
+    import math
+
+    from target_stack.ops.kda import kda_gate
+    from target_stack.ops.kda.decode_inputs import kda_decode_inputs
+
+    H, K, V = layer.H, layer.K, layer.V
+    size = torch.exp(math.log(1e-7) + (math.log(1e4) - math.log(1e-7)) * draw.rand(rows, H, K))
+    f = torch.where(draw.rand(rows, H, K) < 0.5, -size, size)
+    at_edge = torch.tensor([s * e for e in GATE_EDGES for s in (1.0, -1.0)], device=f.device)
+    at = draw.randperm(f.numel())[:at_edge.numel()]
+    dt_bias = layer.dt_bias.detach().reshape(-1)
+    f.view(-1)[at] = at_edge[:at.numel()] - dt_bias[at % (H * K)]  # f + dt_bias lands on the edge
+    x = f64(f) + f64(dt_bias).reshape(H, K)
+    want = -torch.exp(f64(layer.A_log))[:, None] * ref.softplus(x)
+    edges = ", ".join(f"{e:g}" for e in GATE_EDGES)
+    cond = f"f of both signs, |f| log-uniform in 1e-7 .. 1e4; f + dt_bias at +-({edges})"
+
+    def check(g: torch.Tensor, what: str, **where: str) -> None:
+        errs = ((f64(g) - want).abs() / want.abs().clamp(min=1.0)).nan_to_num(math.inf, math.inf).reshape(-1)
+        i = int(errs.argmax())
+        err = float(errs[i])
+        chk.track(err)
+        ctx.check(err <= chk.tolerance, f"{what}: error {err:.2e} > {chk.tolerance:g} against the float64 formula "
+                  f"at f + dt_bias = {float(x.reshape(-1)[i]):.6g} ({float(g.reshape(-1)[i]):.6g}, not "
+                  f"{float(want.reshape(-1)[i]):.6g})", **where)
+
+    where = dict(file=NAIVE, symbol="kda_gate", condition=cond)
+    with chk.guard(**where), torch.no_grad():
+        check(kda_gate(f, layer.A_log, layer.dt_bias), "log decay g", **where)
+    if kernels:
+        where = dict(file=DECODE_INPUTS, symbol="kda_decode_inputs (gate)", condition=cond)
+        with chk.guard(**where), torch.no_grad():
+            C = layer.w_qkv.shape[0]
+            got = kda_decode_inputs(draw.randn(rows, C), f.reshape(rows, H * K), draw.randn(rows, H),
+                                    torch.zeros(rows + 1, 3, C, device=f.device),
+                                    torch.arange(1, rows + 1, dtype=torch.int32, device=f.device), layer.conv,
+                                    layer.dt_bias, layer.A_log, H, K, V)
+            check(got[3].reshape(rows, H, K), "log decay g of the decode inputs", **where)
 
 
 def _pooled_setup(layer, x: torch.Tensor, split: int):
@@ -721,26 +916,31 @@ def hybrid(ctx: ProbeContext) -> None:
     with chk.guard(**where):
         embeds = model.image_encoder(image)
         chk.compare(embeds, ref.image_encoder(model.image_encoder, f64(image)), "image embeddings", **where)
-    T = p.get("T", 80)
-    for _ in range(3):  # inputs with a near-tie in a discrete choice are drawn again
-        tokens = draw.randint(cfg.vocab, (2, T))
-        refs = [ref.hybrid_logits(model, row.tolist()) for row in tokens]
-        if min(m for _, m in refs) > MARGIN:
-            break
-    ctx.check(cfg.block * cfg.top_k_blocks < T, "probe sequence too short to drop key blocks", file=MODEL)
-    located: dict[tuple[str, str], float] = {}
-    for row in tokens:  # each component on the input the model gives it: names the part that is off
-        with chk.guard(file=MODEL, symbol="HybridModel.forward", condition=f"T={T}"):
-            for file, symbol, err in ref.diagnose(model, row.tolist(), chk.tolerance, MARGIN):
-                located[file, symbol] = max(err, located.get((file, symbol), 0.0))
-    for (file, symbol), err in located.items():
+    lengths = p.get("T", 80)  # sequence lengths: a multiple of the key block and of no chunk, one past both
+    lengths = lengths if isinstance(lengths, list) else [lengths]
+    located: dict[tuple[str, str], tuple[float, list[int]]] = {}
+    checks, first = [], None
+    for T in lengths:
+        for _ in range(3):  # inputs with a near-tie in a discrete choice are drawn again
+            tokens = draw.randint(cfg.vocab, (2, T))
+            refs = [ref.hybrid_logits(model, row.tolist()) for row in tokens]
+            if min(m for _, m in refs) > MARGIN:
+                break
+        first = tokens if first is None else first
+        ctx.check(cfg.block * cfg.top_k_blocks < T, "probe sequence too short to drop key blocks", file=MODEL)
+        for row in tokens:  # each component on the input the model gives it: names the part that is off
+            with chk.guard(file=MODEL, symbol="HybridModel.forward", condition=f"T={T}"):
+                for file, symbol, err in ref.diagnose(model, row.tolist(), chk.tolerance, MARGIN):
+                    worst, at = located.get((file, symbol), (0.0, []))
+                    located[file, symbol] = (max(err, worst), at + [T] * (T not in at))
+        checks.append(("HybridModel.forward", tokens, None, torch.stack([r for r, _ in refs]), f"T={T}"))
+    for (file, symbol), (err, at) in located.items():
         ctx.fail(f"{symbol} departs from its definition on the model's own input: rel. error {err:.2e}",
-                 file=file, symbol=symbol, condition=f"T={T}, in the hybrid model")
-    checks = [("HybridModel.forward", tokens, None, torch.stack([r for r, _ in refs]), f"T={T}")]
+                 file=file, symbol=symbol, condition=f"T={', '.join(map(str, at))}, in the hybrid model")
     if embeds is not None:
-        want, margin = ref.hybrid_logits(model, tokens[0, :20].tolist(), prefix=f64(embeds))
+        want, margin = ref.hybrid_logits(model, first[0, :20].tolist(), prefix=f64(embeds))
         if margin > MARGIN:
-            checks.append(("HybridModel.forward (prefix)", tokens[:1, :20], embeds[None], want[None],
+            checks.append(("HybridModel.forward (prefix)", first[:1, :20], embeds[None], want[None],
                            "image embeddings in front"))
     for symbol, toks, prefix, want, cond in checks:
         where = dict(file=MODEL, symbol=symbol, condition=cond)

@@ -11,7 +11,8 @@ module promises:
 - a preempted sequence is the most recently admitted of those running; it leaves with no pages and
   no slot, at the front of the queue;
 - a running sequence holds a slot of its own (distinct, never 0) and its pages are exactly its own
-  plus the prefix cache's shared head; after a decode plan it has room for its newest token;
+  plus the prefix cache's shared head; after a decode plan it has room for its newest token, and a
+  resumed one has pages for every position it had when it was swapped out;
 - a released sequence holds nothing, and nobody holds anything for it;
 - every page reference of the prefix cache has a holder (an entry or a live sequence);
 - a cancelled or finished request is no longer queued; at the end everything is back.
@@ -159,6 +160,13 @@ class _Watch:
             if short:
                 self.fail("Scheduler.schedule", "room", f"decoding sequences {short} have no page for their newest "
                           "token")
+            # a resumed sequence is swapped back into pages for every position it had, and its newest token's
+            short = [(s.id, len(s.pages), s.length, (s.swapped or {}).get("pages")) for s in plan.resumed
+                     if len(s.pages) < max(self.sched.pages_for(s.length), (s.swapped or {}).get("pages", 0))]
+            if short:
+                self.fail("Scheduler.schedule", "resume", "resumed sequences were given too few pages: " + ", ".join(
+                    f"sequence {i}: {n} pages for {length} positions ({saved} swapped out)"
+                    for i, n, length, saved in short[:3]))
         prefix = self.engine.prefix
         if prefix is not None:
             problems = prefix.problems({s.id: s.pages[:s.shared] for s in running})
