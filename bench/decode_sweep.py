@@ -6,7 +6,7 @@ One pooled decode step of ``target_stack/ops/kda/fused_recurrent.py`` (H=32, K=V
 q/k normalised in the kernel), launched directly with every BV in 16..128 and the warp counts that
 fit it (``LAUNCHES``), for the kernel as it is and for variants (``VARIANTS``): the state's load and
 store with an ``evict_first`` hint or with ``.cg`` / ``.cs`` cache modifiers (the state is streamed
-once per step), or the programs ordered slot by slot.
+once per step), or the programs ordered head by head across the slots (the order before 2026-12-05).
 Kernel time from CUDA-graph replays over input sets larger than L2; three rounds interleaved
 across the configurations (median; the rounds' spread is the noise); state bandwidth against a
 device copy measured in the same run; every configuration's output and state checked against
@@ -49,12 +49,12 @@ VARIANTS = {
         ("b_h.to(ht.dtype.element_ty), mask=m_state)", 'b_h.to(ht.dtype.element_ty), mask=m_state, '
                                                        'cache_modifier=".cs")'),
     ],
-    # programs in launch order walk one slot's [H, K, V] state front to back (grid (V tiles, H, N)),
-    # not one head's across every slot: the state streams through DRAM pages in address order
-    "slot-major": [
-        ("i_n = tl.program_id(1).to(tl.int64)", "i_n = tl.program_id(2).to(tl.int64)"),
-        ("i_h = tl.program_id(2)", "i_h = tl.program_id(1)"),
-        ("_launch = CachedLaunch(", "SLOT_MAJOR = True\n_launch = CachedLaunch("),
+    # the launch order before 2026-12-05: programs walk one head across every slot (grid (V tiles, N, H)),
+    # where the kernel walks one slot's [H, K, V] state front to back (grid (V tiles, H, N))
+    "head-major": [
+        ("i_h = tl.program_id(1)", "i_h = tl.program_id(2)"),
+        ("i_n = tl.program_id(2).to(tl.int64)", "i_n = tl.program_id(1).to(tl.int64)"),
+        ("_launch = CachedLaunch(", "HEAD_MAJOR = True\n_launch = CachedLaunch("),
     ],
 }
 
@@ -192,7 +192,7 @@ def launch(mod, bv: int, warps: int, s: dict, warmup: bool = False):
     batch, _, h, kk = s["q"].shape
     vv = s["v"].shape[-1]
     nv = triton.cdiv(vv, bv)
-    grid = (nv, h, batch) if getattr(mod, "SLOT_MAJOR", False) else (nv, batch, h)
+    grid = (nv, batch, h) if getattr(mod, "HEAD_MAJOR", False) else (nv, h, batch)
     a = (s["q"], s["k"], s["v"], s["g"], s["beta"], s["o"], s["pool"], s["pool"], s["slots"], None, None,
          kk**-0.5, 1)
     kw = dict(H=h, K=kk, V=vv, BK=triton.next_power_of_2(kk), BV=bv, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True,

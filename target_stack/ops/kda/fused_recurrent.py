@@ -38,9 +38,11 @@ def _kda_fused_recurrent_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, USE_SLOTS: tl.constexpr,
     L2NORM_QK: tl.constexpr, BETA_SIGMOID: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
 ):
+    # programs in launch order walk one sequence's heads, then the next sequence: with a pool, one slot's
+    # [H, K, V] state front to back (the state streams through DRAM in address order)
     i_v = tl.program_id(0)
-    i_n = tl.program_id(1).to(tl.int64)
-    i_h = tl.program_id(2)
+    i_h = tl.program_id(1)
+    i_n = tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -208,7 +210,7 @@ def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices
            pooled and initial_state.dtype, *flags.values(), gate_in_kernel and a_log.dtype,
            gate_in_kernel and dt_bias is not None and dt_bias.dtype)
     constexprs = dict(H=H, K=K, V=V, BK=BK, BV=BV, **flags, num_warps=max(1, BK * BV // 4096))
-    return N, T, H, K, V, (triton.cdiv(V, BV), N, H), constexprs, key
+    return N, T, H, K, V, (triton.cdiv(V, BV), H, N), constexprs, key
 
 
 def _check_gate(a_log, dt_bias, H: int, K: int, device) -> None:
