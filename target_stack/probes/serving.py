@@ -635,9 +635,11 @@ def disagg(ctx: ProbeContext) -> None:
     model = HybridModel(cfg)  # the workers build the same weights from the same config
     n = p.get("max_tokens", 3)
     prompts = [draw.randint(cfg.vocab, (L,)).tolist() for L in p["prompt_lengths"]]
-    image = draw.rand(3, 2 * cfg.patch, 2 * cfg.patch).cpu()
-    images = [None] * len(prompts) + [image]  # the last request: the first prompt after an image
-    requests = [(q, SamplingParams(max_tokens=n), img) for q, img in zip(prompts + prompts[:1], images)]
+    # the last requests: the first prompt after an image of each size, in patches per side (one page of
+    # patches or more makes the block table and the decode positions depend on them)
+    images = [draw.rand(3, g * cfg.patch, g * cfg.patch).cpu() for g in p.get("image_grids", [2])]
+    requests = [(q, SamplingParams(max_tokens=n), None) for q in prompts]
+    requests += [(prompts[0], SamplingParams(max_tokens=n), img) for img in images]
     device = "cuda" if ctx.device == "cuda" else "cpu"
     # wrong outputs with a right transfer copy (checked above): the workers' handling of the sequences
     where = dict(file=DISAGG_WORKERS, symbol="prefill_worker / decode_worker")
@@ -657,7 +659,7 @@ def disagg(ctx: ProbeContext) -> None:
     # how far below the float64 maximum (in standard deviations of the logits) a token may be: the
     # workers run fp32 on a CPU, bf16 on a GPU; a token after a broken transfer is unrelated, ~2-3 below
     margin = float(p.get("token_margin", {}).get(device, 1e-3))
-    embeds = ref.image_encoder(model.image_encoder, f64(image))
+    embeds = {id(img): ref.image_encoder(model.image_encoder, f64(img)) for img in images}
     # the prefill-only run's tokens, judged as every first token is: against float64, within the margin
     for r, first in enumerate(short.outputs if short is not None else []):
         where_short = dict(file=DISAGG_CLUSTER, symbol="DisaggCluster.run(transfer=False) / prefill_worker",
@@ -680,7 +682,7 @@ def disagg(ctx: ProbeContext) -> None:
             failures += 1
             ctx.fail(f"request failed: {out}", **where)
             continue
-        prefix = embeds if img is not None else None
+        prefix = embeds[id(img)] if img is not None else None
         want, _ = ref.hybrid_logits(model, prompt + out.tokens[:-1], prefix=prefix)
         start = len(prompt) - 1 + (0 if prefix is None else prefix.shape[0])
         mine = None
@@ -713,8 +715,9 @@ def disagg(ctx: ProbeContext) -> None:
             if gap > margin:
                 wrong += 1
                 step = "first token (prefill)" if i == 0 else f"decode step {i}"
+                after = "" if img is None else f" after an image of {embeds[id(img)].shape[0]} patches"
                 ctx.fail(f"token {i} is {t}, not the float64 argmax {int(w.argmax())} (gap {gap:.2f} std)", **where,
-                         condition=f"prompt of {len(prompt)}{' after an image' if img is not None else ''}, {step}")
+                         condition=f"prompt of {len(prompt)}{after}, {step}")
     ctx.metric("tokens_checked", checked)
     ctx.metric("wrong_tokens", wrong, better="lower")
     if device != "cpu":
