@@ -33,7 +33,7 @@ from feedback.checks import parse
 from feedback.manifest import Manifest
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
-from infra_agent.source_lines import Regions, code_part, defaults, python_regions
+from infra_agent.source_lines import Regions, code_part, defaults, module, python_regions
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("conc.sync", "concurrency",  # a lock held by a with-block, waits, notifications, barriers, queue bounds
          r"\bwith\s+[\w.]*(lock|mutex|cond|sem|guard)\w*\s*:|\b\w*[wW]ait\w*\s*(<[^<>()]*>)?\s*\(|\.notify(_all)?\(|"
          r"\bbarrier\(|\b\w+_ready\b|\bis_ready\b|\bready_\w+|\bin_?flight\w*|"
-         r"\bQueue\(|\bmaxsize\b|\bEvent\(\)|\bwait_event\(|\.record\(|\bquery\(\)|\bjoin\(\s*(timeout\s*=\s*[\d.]+)?\s*\)|__sync|\bmemory_order",
+         r"\bQueue\(|\bmaxsize\b|\bEvent\(\)|\.record\(|\bquery\(\)|\bjoin\(\s*(timeout\s*=\s*[\d.]+)?\s*\)|__sync|\bmemory_order",
          CODE),
     Rule("conc.gil", "concurrency",
          r"Py_(BEGIN|END)_ALLOW_THREADS|PyGILState_|PyEval_(Save|Restore)Thread|\bPyDLL\b|\bCDLL\b|\bnogil\b|"
@@ -115,7 +115,7 @@ BUILTIN: tuple[Rule, ...] = (
          r"\bnew_\w*group\w*|\b\w*dist_group\w*|\bprocess_group\w*|\bdevice_mesh\b|\bget_\w*_group\(", CODE),
     Rule("conc.device-sync", "concurrency",  # inside CUDA / C++ kernels: fences, barriers, clusters, async copies
          r"__syncwarp|__threadfence\w*|\bfence\w*|\bmbarrier\w*|\barrive\w*|\bnamed_barrier\w*|"
-         r"\bcluster_\w+|\bmulticast\w*|\w*[mM]ulticast\w*|\b\w*_cta\w*|\bcta_\w+|\bCTA\w*|cp\.async|"
+         r"\bcluster_\w+|\w*[mM]ulticast\w*|\b\w*_cta\w*|\bcta_\w+|\bCTA\w*|cp\.async|"
          r"\bcommit_group|\bwait_group|\bwarpgroup_\w+|\btma_store_\w+", C_FAMILY),
     Rule("conc.shared-buffers", "concurrency",
          r"shared_memory|SharedMemory|\bmmap\b|\batomic|share_memory_\(|(?i:\bshm\w*|/dev/shm)", ("*",)),
@@ -188,10 +188,11 @@ class Assessment(BaseModel):
         return sorted({f.category for f in self.findings} | ({"error"} if self.error else set()))
 
 
-def ast_findings(path: str, source: str, lines: set[int]) -> list[RiskFinding]:
-    """Calls and keyword arguments that mark a category, on the given (added) line numbers."""
+def ast_findings(path: str, source: str, lines: set[int], tree: ast.Module | None = None) -> list[RiskFinding]:
+    """Calls and keyword arguments that mark a category, on the given (added) line numbers (``tree``: the
+    source already parsed; a source that does not parse raises)."""
     out = []
-    tree = parse(source, path)
+    tree = parse(source, path) if tree is None else tree
     text = source.splitlines()
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -218,8 +219,8 @@ def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> li
     """Findings from where a changed code line lies, whatever its words.  Inside a Python GPU kernel's body
     (``source_lines.KERNEL_DECORATOR``): numerics, as a kernel's every line is the numbers it computes, and
     its stores, atomics and barriers concurrency too (which program writes where, and when).  Inside a
-    with-block that holds a lock, on either side of the patch: concurrency (what the critical section
-    covers)."""
+    with-block that holds a lock or a stream, on either side of the patch: concurrency (what the critical
+    section covers, what runs on the stream)."""
     out = []
     for no, text, code, regions in lines:
         if no in regions.kernels:
@@ -232,11 +233,11 @@ def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> li
     return out
 
 
-def default_findings(f, new_source: str | None, old_source: str | None) -> list[RiskFinding]:
+def default_findings(f, new_tree: ast.Module | None, old_tree: ast.Module | None) -> list[RiskFinding]:
     """A setting whose value the patch changes (``source_lines.defaults``: a parameter's default, a class
     field, a module constant), whatever its name: every caller that relied on it now gets another
     behaviour.  Production; the finding is on the added line that holds the new value."""
-    old, new = defaults(old_source, f.path), defaults(new_source, f.path)
+    old, new = defaults(old_tree), defaults(new_tree)
     added = dict(f.added)
     out = []
     for key, (value, line) in new.items():
@@ -254,13 +255,12 @@ def _old_source(tree: str | pathlib.Path | None, rel: str) -> str | None:
     return path.read_text(errors="replace") if path.is_file() else None
 
 
-def _code_lines(f, new_source: str | None, old_source: str | None) -> list[tuple[int, str, str, Regions]]:
-    """(line, text, code, the regions of its side) for each changed line of ``f`` that carries code: comments are cut
-    off, lines of docstrings are dropped where the file's source (after the patch for added lines, before
-    it for removed ones) is known, and so is a run of changed lines whose code is the same on both sides
-    but for layout (``same_code``)."""
-    regions = {side: python_regions(src, f.path) if src is not None else Regions()
-               for side, src in (("+", new_source), ("-", old_source))}
+def _code_lines(f, new_tree: ast.Module | None, old_tree: ast.Module | None) -> list[tuple[int, str, str, Regions]]:
+    """(line, text, code, the regions of its side) for each changed line of ``f`` that carries code: comments
+    are cut off, lines of docstrings are dropped where the file's source (after the patch for added lines,
+    before it for removed ones) is known, and so is a run of changed lines whose code is the same on both
+    sides but for layout (``same_code``)."""
+    regions = {"+": python_regions(new_tree), "-": python_regions(old_tree)}
 
     def code_of(side: str, changed) -> list[tuple[int, str, str, Regions]]:
         r = regions[side]
@@ -268,7 +268,7 @@ def _code_lines(f, new_source: str | None, old_source: str | None) -> list[tuple
                 if (code := code_part(f.path, text)).strip() and no not in r.docs]
 
     out = []
-    for removed, added in f.blocks or [(f.removed, f.added)]:
+    for removed, added in f.blocks:
         old, new = code_of("-", removed), code_of("+", added)
         if not same_code(f.path, [c for _, _, c, _ in old], [c for _, _, c, _ in new]):
             out += new + old
@@ -331,7 +331,10 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         if why:
             return Assessment(refused=f"the patch reaches what judges it: {why}")
         findings: list[RiskFinding] = []
-        lines = {f.path: _code_lines(f, sources.get(f.path), _old_source(tree, f.path)) for f in patch.files}
+        # each Python file parsed once a side: after the patch (added lines), before it (removed lines)
+        trees = {f.path: (module(sources.get(f.path), f.path), module(_old_source(tree, f.path), f.path))
+                 for f in patch.files}
+        lines = {f.path: _code_lines(f, *trees[f.path]) for f in patch.files}
         custom = [Rule(r.id, r.category, r.pattern, tuple(r.paths)) for r in manifest.risk]
         for rule in (*BUILTIN, *custom):
             rx = re.compile(rule.pattern) if rule.pattern else None
@@ -350,9 +353,9 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
                                                     text=text))
         for f in patch.files:
             findings += region_findings(f.path, lines[f.path])
-            findings += default_findings(f, sources.get(f.path), _old_source(tree, f.path))
+            findings += default_findings(f, *trees[f.path])
         for rel, source in sources.items():
-            findings += ast_findings(rel, source, added.get(rel, set()))
+            findings += ast_findings(rel, source, added.get(rel, set()), trees[rel][0])
         seen, unique = set(), []
         for f in findings:
             key = (f.rule, f.file, f.line)

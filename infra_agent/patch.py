@@ -23,10 +23,19 @@ class PatchRefused(PatchError):
 @dataclass
 class FileChange:
     path: str
-    added: list[tuple[int, str]] = field(default_factory=list)  # (new line number, text)
-    removed: list[tuple[int, str]] = field(default_factory=list)  # (old line number, text)
-    # each run of changed lines between context lines: (its removed lines, its added lines)
+    # each run of changed lines between context lines: (its removed lines, its added lines), each line
+    # (its line number in the old or the new file, text)
     blocks: list[tuple[list[tuple[int, str]], list[tuple[int, str]]]] = field(default_factory=list)
+
+    @property
+    def added(self) -> list[tuple[int, str]]:
+        """(new line number, text) of every added line, in order."""
+        return [line for _, added in self.blocks for line in added]
+
+    @property
+    def removed(self) -> list[tuple[int, str]]:
+        """(old line number, text) of every removed line, in order."""
+        return [line for removed, _ in self.blocks for line in removed]
 
 
 @dataclass
@@ -56,11 +65,9 @@ class Patch:
                     files[-1].blocks.append(([], []))
                     in_block = True
                 if tag == "+":
-                    files[-1].added.append((new_no, text))
                     files[-1].blocks[-1][1].append((new_no, text))
                     new_no, new_left = new_no + 1, new_left - 1
                 elif tag == "-":
-                    files[-1].removed.append((old_no, text))
                     files[-1].blocks[-1][0].append((old_no, text))
                     old_no, old_left = old_no + 1, old_left - 1
                 elif tag == " ":

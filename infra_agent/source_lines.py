@@ -14,6 +14,8 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+from feedback.checks import parse
+
 HASH_COMMENTS = (".py", ".pyx", ".pyi", ".sh", ".bash", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".cmake", ".txt")
 SLASH_COMMENTS = (".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".h", ".hh", ".hpp", ".hxx", ".inl", ".metal", ".mlir",
                   ".go", ".rs", ".java", ".js", ".ts", ".proto", ".swift", ".kt")
@@ -61,7 +63,19 @@ def code_part(path: str, text: str) -> str:
     return text
 
 
-def _decorator_name(node: ast.expr) -> str:
+def module(source: str | None, path: str = "<src>") -> ast.Module | None:
+    """The parsed ``source`` (None for no source, or one that does not parse: every line is then read as
+    plain code).  Parsed once per side of a patch, for :func:`python_regions` and :func:`defaults` both."""
+    if source is None:
+        return None
+    try:
+        return parse(source, path)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _called_name(node: ast.expr) -> str:
+    """``a.b.c`` for a decorator or a with-item, called (``@triton.jit(...)``, ``with FileLock(p)``) or not."""
     from infra_agent.tamper import dotted
 
     return dotted(node.func if isinstance(node, ast.Call) else node)
@@ -80,12 +94,9 @@ def _span(node: ast.AST) -> range:
     return range(node.lineno, (node.end_lineno or node.lineno) + 1)
 
 
-def python_regions(source: str, path: str = "<src>") -> Regions:
-    """The :class:`Regions` of a Python source; a source that does not parse has none (every line is
-    then read as plain code)."""
-    try:
-        tree = ast.parse(source, path)
-    except (SyntaxError, ValueError):
+def python_regions(tree: ast.Module | None) -> Regions:
+    """The :class:`Regions` of a parsed Python source (none without one)."""
+    if tree is None:
         return Regions()
     docs: set[int] = set()
     kernels: set[int] = set()
@@ -95,24 +106,20 @@ def python_regions(source: str, path: str = "<src>") -> Regions:
                 and isinstance(node.value.value, str)):
             docs.update(_span(node))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                KERNEL_DECORATOR.search(_decorator_name(d)) for d in node.decorator_list):
+                KERNEL_DECORATOR.search(_called_name(d)) for d in node.decorator_list):
             kernels.update(range(node.body[0].lineno, (node.end_lineno or node.lineno) + 1))
         elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
-                LOCK_NAME.search(_decorator_name(item.context_expr)) for item in node.items):
+                LOCK_NAME.search(_called_name(item.context_expr)) for item in node.items):
             locked.update(_span(node))
     return Regions(frozenset(docs), frozenset(kernels), frozenset(locked))
 
 
-def defaults(source: str | None, path: str = "<src>") -> dict[tuple[str, ...], tuple[str, int]]:
-    """The settings a Python source declares, each with its value (as ``ast.dump``) and line: every
+def defaults(tree: ast.Module | None) -> dict[tuple[str, ...], tuple[str, int]]:
+    """The settings a parsed Python source declares, each with its value (as ``ast.dump``) and line: every
     parameter default of a function (``("def", qualname, param)``), every class-level assignment
     (``("field", class, name)``: config classes, dataclasses, pydantic models) and every module-level
-    UPPER_CASE constant (``("const", name)``).  Empty for a source that does not parse."""
-    if source is None:
-        return {}
-    try:
-        tree = ast.parse(source, path)
-    except (SyntaxError, ValueError):
+    UPPER_CASE constant (``("const", name)``).  Empty without a source."""
+    if tree is None:
         return {}
     out: dict[tuple[str, ...], tuple[str, int]] = {}
 
