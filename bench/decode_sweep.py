@@ -118,12 +118,9 @@ def main() -> int:
         plan = _plan(s0["q"], s0["k"], s0["v"], s0["g"], s0["beta"], s0["pool"], False, s0["slots"], True, False)
         today = (plan[6]["BV"], plan[6]["num_warps"])
 
-        def launcher(mod, bv, warps, s, warmup=False):
-            return launch(mod, bv, warps, s, warmup)
-
         configs = [(name, bv, w) for name in args.variants.split(",") if name in mods
                    for bv, ws in LAUNCHES.items() for w in ws]
-        precompile(launcher, mods, configs, sets[0])
+        precompile(mods, configs, sets[0])
         errs, ok = {}, []
         qn, kn = (torch.nn.functional.normalize(s0[n].double(), dim=-1) for n in ("q", "k"))
         ro, rs = naive_recurrent_kda(qn, kn, s0["v"].double(), s0["g"].double(), s0["beta"].double(),
@@ -132,7 +129,7 @@ def main() -> int:
             check = dict(s0, pool=s0["pool"].clone(), o=torch.full_like(s0["o"], float("nan")))
             check["pool"][0] = float("nan")
             try:
-                launcher(mods[cfg[0]], cfg[1], cfg[2], check)()
+                launch(mods[cfg[0]], cfg[1], cfg[2], check)()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - a configuration that does not compile is a row, not a crash
                 print(f"  {dname} batch {batch} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
@@ -142,7 +139,7 @@ def main() -> int:
         times: dict = {cfg: [] for cfg in ok}
         for _ in range(ROUNDS):
             for cfg in ok:
-                times[cfg].append(graph_time([launcher(mods[cfg[0]], cfg[1], cfg[2], s) for s in sets]))
+                times[cfg].append(graph_time([launch(mods[cfg[0]], cfg[1], cfg[2], s) for s in sets]))
         for cfg in ok:
             t = statistics.median(times[cfg])
             rows.append(dict(dtype=dname, batch=batch, variant=cfg[0], BV=cfg[1], num_warps=cfg[2],
@@ -203,14 +200,14 @@ def launch(mod, bv: int, warps: int, s: dict, warmup: bool = False):
     return lambda: kern[grid](*a, **kw)
 
 
-def precompile(launcher, mods, configs, s) -> None:
+def precompile(mods, configs, s) -> None:
     """Compile every configuration at once (Triton's compiler spends most of its time in ptxas, a
     subprocess): the sweep's wall time is then its measurements."""
     import concurrent.futures
 
     def one(cfg):
         try:
-            launcher(mods[cfg[0]], cfg[1], cfg[2], s, warmup=True)()
+            launch(mods[cfg[0]], cfg[1], cfg[2], s, warmup=True)()
         except Exception:  # noqa: BLE001 - reported when the configuration is run
             pass
 
