@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 
@@ -18,8 +17,7 @@ from feedback.probe import ProbeContext, probe
 from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import alloc, poisoning, resolve_dot_precision, set_poison
-from target_stack.probes.reference import finite, isolated
-from target_stack.probes.reference import softplus as ref_softplus
+from target_stack.probes.reference import extreme_gate_inputs, finite, isolated, kda_gate64, magnitudes
 
 set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
 # small tensors: an OpenMP team costs more than it saves, worst on shared cores (the float64 token loop of a
@@ -89,38 +87,20 @@ def _case_inputs(case: dict, gen: torch.Generator):
     return q, k, v, g, beta, h0
 
 
-#: raw gate inputs where softplus and the fp32 arithmetic around it change behaviour: torch's (and the
-#: kernels') linear branch above 20, the float64 reference's above 30, fp32 exp() overflowing above ~88.7
-#: and underflowing to subnormals below ~-87.3, and far beyond
-GATE_BOUNDARIES = (0.0, 1e-7, 19.99, 20.0, 20.01, 30.0, 87.3, 88.7, 88.8, 89.0, 100.0, 1e3, 1e4, 1e30)
-
-
-def magnitudes(shape, gen: torch.Generator, lo: float, hi: float) -> torch.Tensor:
-    """Positive values log-uniform over [lo, hi] (every order of magnitude alike) on the generator's device."""
-    u = torch.rand(*shape, generator=gen, device=gen.device, dtype=torch.float64)
-    return (math.log(lo) + (math.log(hi) - math.log(lo)) * u).exp().float()
-
-
 def raw_gate(B: int, T: int, H: int, K: int, gen: torch.Generator, extreme: bool = False):
     """(raw gate input ``[B, T, H, K]``, A_log ``[H]``, dt_bias ``[H * K]``) on the generator's device, drawn
     so that the decay spans slow to fast and some inputs take softplus's linear branch (above 20).  With
     ``extreme``: raw inputs of both signs log-uniform over 1e-7 .. 1e4 in magnitude, and among them
-    softplus's inputs (raw + dt_bias) at every ``GATE_BOUNDARIES`` value with both signs (decays from exactly
+    softplus's inputs (raw + dt_bias) at every ``reference.GATE_EDGES`` value with both signs (decays from exactly
     1 to exactly 0)."""
     dev = gen.device
     shape = (B, T, H, K)
-    if extreme:
-        sign = torch.where(torch.rand(*shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)
-        raw = sign * magnitudes(shape, gen, 1e-7, 1e4)
-    else:
-        raw = 3 * torch.randn(*shape, generator=gen, device=dev)
-        raw.view(-1)[:: 97] += 25.0
     a_log = 0.3 * torch.randn(H, generator=gen, device=dev) - 1.0
     dt_bias = torch.randn(H * K, generator=gen, device=dev) - 1.0
     if extreme:
-        edges = torch.tensor([s * b for b in GATE_BOUNDARIES for s in (1.0, -1.0)], device=dev)
-        at = torch.randperm(raw.numel(), generator=gen, device=dev)[:edges.numel()]
-        raw.view(-1)[at] = edges[:at.numel()] - dt_bias[at % (H * K)]  # raw + dt_bias lands on the edge
+        return extreme_gate_inputs(shape, dt_bias, gen), a_log, dt_bias
+    raw = 3 * torch.randn(*shape, generator=gen, device=dev)
+    raw.view(-1)[:: 97] += 25.0
     return raw, a_log, dt_bias
 
 
@@ -201,8 +181,7 @@ def gate64(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor | None)
     ``kda_gate``, the serving code's own): exact softplus for every finite input (linear above 30, where
     log1p(exp(x)) - x < 1e-13)."""
     H, K = raw.shape[-2:]
-    x = raw.double() + (0.0 if dt_bias is None else dt_bias.double().reshape(H, K))
-    return -a_log.double().exp()[:, None] * ref_softplus(x)
+    return kda_gate64(raw.double() + (0.0 if dt_bias is None else dt_bias.double().reshape(H, K)), a_log)
 
 
 def _poison_contract(ctx: ProbeContext) -> None:

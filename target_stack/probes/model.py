@@ -719,15 +719,10 @@ def _check_torch_chunk_form(ctx: ProbeContext, chk: Checker, draw: Draw, H: int,
         chk.compare(s, s_ref, "chunked final state", **where)
 
 
-#: softplus inputs where the gate's arithmetic changes: the linear branch above 20 (torch's, the kernels'), fp32
-#: exp() overflowing above ~88.7 and going subnormal below ~-87.3, and far beyond; each is drawn with both signs
-GATE_EDGES = (0.0, 1e-7, 19.99, 20.0, 20.01, 30.0, 87.3, 88.7, 88.8, 89.0, 100.0, 1e3, 1e4, 1e30)
-
-
 def _check_gate(ctx: ProbeContext, chk: Checker, draw: Draw, layer, kernels: bool, rows: int = 6) -> None:
     """The layer's gate -exp(A_log) softplus(f + dt_bias) (``kda_gate``, both backends; on the kernels' path
     also the one-launch decode inputs' own) over projections f of both signs, log-uniform from 1e-7 to 1e4 in
-    size, and with f + dt_bias at every ``GATE_EDGES`` value, against the float64 formula, element by element:
+    size, and with f + dt_bias at every ``reference.GATE_EDGES`` value, against the float64 formula, element by element:
     |g - g64| <= tolerance * max(1, |g64|) (the decay exp(g)'s relative error where |g| <= 1, g's own beyond)."""
     import math
 
@@ -735,15 +730,11 @@ def _check_gate(ctx: ProbeContext, chk: Checker, draw: Draw, layer, kernels: boo
     from target_stack.ops.kda.decode_inputs import kda_decode_inputs
 
     H, K, V = layer.H, layer.K, layer.V
-    size = torch.exp(math.log(1e-7) + (math.log(1e4) - math.log(1e-7)) * draw.rand(rows, H, K))
-    f = torch.where(draw.rand(rows, H, K) < 0.5, -size, size)
-    at_edge = torch.tensor([s * e for e in GATE_EDGES for s in (1.0, -1.0)], device=f.device)
-    at = draw.randperm(f.numel())[:at_edge.numel()]
     dt_bias = layer.dt_bias.detach().reshape(-1)
-    f.view(-1)[at] = at_edge[:at.numel()] - dt_bias[at % (H * K)]  # f + dt_bias lands on the edge
+    f = ref.extreme_gate_inputs((rows, H, K), dt_bias, draw.gen)
     x = f64(f) + f64(dt_bias).reshape(H, K)
-    want = -torch.exp(f64(layer.A_log))[:, None] * ref.softplus(x)
-    edges = ", ".join(f"{e:g}" for e in GATE_EDGES)
+    want = ref.kda_gate64(x, layer.A_log)
+    edges = ", ".join(f"{e:g}" for e in ref.GATE_EDGES)
     cond = f"f of both signs, |f| log-uniform in 1e-7 .. 1e4; f + dt_bias at +-({edges})"
 
     def check(g: torch.Tensor, what: str, **where: str) -> None:

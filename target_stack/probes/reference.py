@@ -43,6 +43,36 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 30, x, torch.log1p(torch.exp(x.clamp(max=30))))
 
 
+def kda_gate64(x: torch.Tensor, a_log: torch.Tensor) -> torch.Tensor:
+    """KDA's log decay -exp(A_log[h]) softplus(x) for softplus's input x = raw + dt_bias [..., H, K], in float64."""
+    return -torch.exp(f64(a_log))[:, None] * softplus(f64(x))
+
+
+#: softplus inputs where the gate's arithmetic changes: torch's (and the kernels') linear branch above 20, the
+#: float64 definition's above 30, fp32 exp() overflowing above ~88.7 and going subnormal below ~-87.3, and far
+#: beyond; each is drawn with both signs
+GATE_EDGES = (0.0, 1e-7, 19.99, 20.0, 20.01, 30.0, 87.3, 88.7, 88.8, 89.0, 100.0, 1e3, 1e4, 1e30)
+
+
+def magnitudes(shape, gen: torch.Generator, lo: float, hi: float) -> torch.Tensor:
+    """Positive fp32 values log-uniform over [lo, hi] (every order of magnitude alike) on the generator's device."""
+    u = torch.rand(*shape, generator=gen, device=gen.device, dtype=torch.float64)
+    return (math.log(lo) + (math.log(hi) - math.log(lo)) * u).exp().float()
+
+
+def extreme_gate_inputs(shape, dt_bias: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Raw gate inputs ``shape`` (ending [H, K]) of both signs, log-uniform over 1e-7 .. 1e4 in magnitude, and
+    among them softplus's inputs (raw + ``dt_bias`` [H * K]) at every ``GATE_EDGES`` value with both signs."""
+    dev = gen.device
+    sign = torch.where(torch.rand(*shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)
+    raw = sign * magnitudes(shape, gen, 1e-7, 1e4)
+    edges = torch.tensor([s * e for e in GATE_EDGES for s in (1.0, -1.0)], device=dev)
+    at = torch.randperm(raw.numel(), generator=gen, device=dev)[:edges.numel()]
+    hk = shape[-2] * shape[-1]
+    raw.view(-1)[at] = edges[:at.numel()] - dt_bias.reshape(-1)[at % hk].to(raw.dtype)  # raw + dt_bias: the edge
+    return raw
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension; entries at -inf get probability 0."""
     e = torch.exp(x - x.amax(-1, keepdim=True))
@@ -140,7 +170,7 @@ def kda_inputs(layer, x: torch.Tensor, conv_hist: torch.Tensor | None = None):
     k = l2norm(mixed[..., H * K:2 * H * K].reshape(B, T, H, K))
     v = mixed[..., 2 * H * K:].reshape(B, T, H, V)
     f = (x @ f64(layer.w_f).T).reshape(B, T, H, K) + f64(layer.dt_bias).reshape(H, K)
-    g = -torch.exp(f64(layer.A_log))[:, None] * softplus(f)
+    g = kda_gate64(f, layer.A_log)
     beta = sigmoid(x @ f64(layer.w_b).T)
     return (q, k, v, g, beta), full
 
