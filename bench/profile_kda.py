@@ -71,24 +71,24 @@ def decode_overhead(N=1, H=32, K=128, V=128):
     print(f"  5x contiguous    {per_call(lambda: [x.contiguous() for x in (q, k, v, g, beta)]):6.1f} us")
     print(f"  empty_like       {per_call(lambda: torch.empty_like(v)):6.1f} us")
     o = torch.empty_like(v)
-    from target_stack.ops.kda.fused_recurrent import _kda_fused_recurrent_kernel as kern
+    from target_stack.ops.kda import fused_recurrent as FR
+
+    # the launch the call above planned (grid, tiles, flags): the bare launch repeats exactly it
+    *_, grid, constexprs, _ = next(iter(FR._plans.values()))
+    args = (q, k, v, g, beta, o, pool, pool, slots, None, None, K**-0.5, 1)
 
     def launch():
-        kern[(4, N, H)](q, k, v, g, beta, o, pool, pool, slots, K**-0.5, 1, H=H, K=K, V=V, BK=128, BV=32,
-                        USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, USE_SLOTS=True, L2NORM_QK=True,
-                        BETA_SIGMOID=False, num_warps=4)
+        FR._kda_fused_recurrent_kernel[grid](*args, **constexprs)
     print(f"  bare launch      {per_call(launch):6.1f} us")
-    from target_stack.ops.kda import fused_recurrent as FR
 
     print(f"  cached launch on: {FR._launch.enabled}, cached keys {len(FR._launch.compiled)}")
     x = torch.ones(16, device="cuda")
     print(f"  torch x.add_(1)  {per_call(lambda: x.add_(1)):6.1f} us   (the host's floor for one launch)")
     print(f"  current_stream   {per_call(lambda: torch.cuda.current_stream().cuda_stream):6.1f} us")
-    args = (q, k, v, g, beta, o, pool, pool, slots, K**-0.5, 1)
     compiled, tail, _ = next(iter(FR._launch.compiled.values()))
     flat = list(args) + list(tail)
     stream = torch.cuda.current_stream().cuda_stream
-    run = per_call(lambda: compiled.run(4, N, H, stream, compiled.function, compiled.packed_metadata, None, None,
+    run = per_call(lambda: compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None,
                                         None, *flat))
     print(f"  compiled.run     {run:6.1f} us")
 
