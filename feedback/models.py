@@ -38,6 +38,10 @@ class Metric(_Model):
     better: str | None = None
     # Every run's value when the runner repeated the probe (``value`` is then their median).
     samples: list[float] = Field(default_factory=list)
+    # An exact count, not a measurement (bytes a kernel loads, operations, launches, counted under the
+    # interpreter): the same code and shapes give the same value on any machine, so it is judged against
+    # the base in every probe kind, with no noise floor (``verdict.compare_metric``).
+    counted: bool = False
 
     @field_validator("value")
     @classmethod

@@ -57,11 +57,13 @@ class ProbeContext:
         return self._device
 
     def metric(self, name: str, value: float, unit: str = "", *, better: str | None = None,
-               ci: tuple[float, float] | None = None) -> float:
+               ci: tuple[float, float] | None = None, counted: bool = False) -> float:
+        """Report a metric.  ``counted``: an exact count (work counted under the interpreter), judged
+        against the base in any probe kind: any change beyond ``verdict.COUNT_TOLERANCE`` is one."""
         value = float(value)
         if math.isnan(value):
             value = math.inf  # a NaN error is as bad as it gets, and must not compare as "fine"
-        self.metrics[name] = Metric(value=value, unit=unit, better=better, ci=ci)
+        self.metrics[name] = Metric(value=value, unit=unit, better=better, ci=ci, counted=counted)
         return value
 
     def finding(self, message: str, **location: str | None) -> None:

@@ -134,12 +134,18 @@ def render(report: FeedbackReport, console: Console) -> None:
     for c in report.comparisons:
         r = results[c.probe]
         metrics = []
-        for d in c.deltas[:4]:
+        # the first four metrics, changes first (a probe that counts work per kernel reports dozens)
+        shown = sorted(c.deltas, key=lambda d: d.verdict not in ("regressed", "improved"))[:4]
+        for d in shown:
             if d.baseline is not None and d.candidate is not None and report.baseline:
                 style = {"regressed": "red", "improved": "green"}.get(d.verdict, "")
                 arrow = f"{_fmt(d.baseline)} -> {_fmt(d.candidate, d.unit)}"
-                if d.noise is not None or d.note:  # a performance metric: its A/A noise beside the change
-                    arrow += f" ({d.verdict}, A/A {d.noise:.0%})" if d.noise is not None else f" ({d.note})"
+                if d.noise is not None:  # a performance metric: its A/A noise beside the change
+                    arrow += f" ({d.verdict}, A/A {d.noise:.0%})"
+                elif d.note.startswith("counted") and d.verdict != "unchanged":
+                    arrow += f" ({d.verdict}, {d.note})"
+                elif d.note:
+                    arrow += f" ({d.note})"
                 metrics.append(f"[{style}]{d.name} {arrow}[/]" if style else f"{d.name} {arrow}")
             else:
                 metrics.append(f"{d.name} {_fmt(d.candidate, d.unit)}")

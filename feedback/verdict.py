@@ -54,6 +54,10 @@ PERFORMANCE_KINDS = ("microbench", "e2e")
 STATUS_KINDS = ("static", "correctness", "trace", "events")
 DEFAULT_REPEATS = {kind: 3 for kind in PERFORMANCE_KINDS}
 MIN_NOISE = 0.02  # a change below 2% is never called a change, however tight the repeats were
+# A counted metric (``Metric.counted``: work counted under the interpreter) is exact for a given tree and
+# shapes; a count moved by less than this is still called the same work (a data-dependent branch, such as
+# which experts a router picks from fresh random inputs, may move it a little)
+COUNT_TOLERANCE = 0.005
 BOOTSTRAP = 2000
 _BAD = (Status.failed, Status.error, Status.timeout)
 _BROKEN = (Status.error, Status.timeout)
@@ -140,6 +144,8 @@ def compare_metric(name: str, base: Metric | None, cand: Metric | None, kind: st
     delta = MetricDelta(name=name, baseline=base.value, candidate=cand.value, unit=cand.unit, change=change,
                         samples=min(len(base.samples), len(cand.samples)))
     better = cand.better or base.better
+    if (cand.counted or base.counted) and better in ("lower", "higher"):
+        return _compare_count(delta, better)
     if not judged_by_performance(kind) or better not in ("lower", "higher"):
         return delta  # shown, not judged
     noise = noise_floor(base.samples)
@@ -154,6 +160,19 @@ def compare_metric(name: str, base: Metric | None, cand: Metric | None, kind: st
         return delta
     worse = change > 1 if better == "lower" else change < 1
     delta.verdict = "regressed" if worse else "improved"
+    return delta
+
+
+def _compare_count(delta: MetricDelta, better: str) -> MetricDelta:
+    """A counted metric: no repeats and no noise floor, any change beyond ``COUNT_TOLERANCE`` is one."""
+    base, cand = delta.baseline, delta.candidate
+    # a base of 0 (no divisions, say): any count at all is a change
+    moved = abs(delta.change - 1) > COUNT_TOLERANCE if delta.change is not None else cand != base
+    if not moved:
+        delta.verdict, delta.note = "unchanged", "counted: the same work"
+        return delta
+    worse = cand > base if better == "lower" else cand < base
+    delta.verdict, delta.note = ("regressed" if worse else "improved"), "counted: exact, no noise"
     return delta
 
 
@@ -267,7 +286,8 @@ def verdict(report: FeedbackReport) -> Verdict:
 
 def _change(d: MetricDelta) -> str:
     if d.change is None:
-        return f"{d.baseline:.3g} -> {d.candidate:.3g}"
+        fmt = lambda v: "none" if v is None else f"{v:.3g}"  # noqa: E731
+        return f"{fmt(d.baseline)} -> {fmt(d.candidate)}"
     text = f"x{d.change:.3f}"
     if d.ci:
         text += f" [{d.ci[0]:.3f}, {d.ci[1]:.3f}]"
@@ -340,6 +360,16 @@ def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeR
             regressed.append(f"{then.probe} was {then.status.value}, now {cur.status.value}"
                              + (f" ({cur.reason})" if cur.reason else "")
                              + (f": {cur.findings[0].message}" if cur.findings else ""))
+        elif any(m.counted for m in then.metrics.values()):
+            # counted work is exact: the same tree does the same work, under the interpreter that counted it
+            if then.environment.triton != cur.environment.triton:
+                line += f" (counted work recorded under Triton {then.environment.triton}: not compared)"
+            else:
+                worse = [f"{d.name} {_change(d)}" for n, m in then.metrics.items() if m.counted
+                         and (d := compare_metric(n, m, cur.metrics.get(n), kind)).verdict in ("regressed", "gone")]
+                if worse:
+                    regressed.append(f"{then.probe}: more counted work than recorded: " + ", ".join(worse))
+                line += f"; counted work: {', '.join(worse)}" if worse else "; counted work as recorded"
         details.append(line)
     then_by_name = {a.name: a for a in recorded_acceptance} if recorded_acceptance is not None else None
     for a in acceptance:

@@ -7,8 +7,12 @@ gives device-independent work signals that a CPU machine can judge:
 * bytes loaded and stored per named tensor: ``reads(name)`` is the bytes loaded divided by the
   tensor's size, so a value of 16 says every element was fetched 16 times in one launch (16
   programs repeating the same per-head work, say);
-* elements processed by divisions and special functions (sqrt, rsqrt, exp, log, ...), per kind;
-* every launch's kernel name and grid.
+* elements processed by divisions and special functions (sqrt, rsqrt, exp, log, ...), per kind, and
+  the multiply-accumulates of ``tl.dot`` (``dot_macs``);
+* every launch's kernel name and grid;
+* the same per kernel: ``kernel_loaded`` / ``kernel_stored`` count every byte a kernel moves (named
+  tensor or not: its scratch buffers too), ``kernel_ops`` its operations.  ``report`` turns them into
+  counted metrics (``Metric.counted``), which the verdict judges against the base exactly.
 
 Usage, with ``TRITON_INTERPRET=1`` set before triton is imported::
 
@@ -61,6 +65,10 @@ class WorkCount:
         self.stored: Counter[str] = Counter()
         self.ops: Counter[str] = Counter()  # elements
         self.launches: list[Launch] = []
+        # per kernel (by name): every byte loaded and stored, at any address, and operations by kind
+        self.kernel_loaded: Counter[str] = Counter()
+        self.kernel_stored: Counter[str] = Counter()
+        self.kernel_ops: Counter[tuple[str, str]] = Counter()
         self._saved: list[tuple[object, str, Any]] = []
 
     # --- results ------------------------------------------------------------------------------
@@ -76,6 +84,14 @@ class WorkCount:
     def writes(self, name: str) -> float:
         return self.stored[name] / max(1, self.nbytes(name))
 
+    def kernels(self) -> list[str]:
+        """The kernels launched, by name, in the order of their first launch."""
+        return list(dict.fromkeys(launch.kernel for launch in self.launches))
+
+    @property
+    def _current(self) -> str:
+        return self.launches[-1].kernel if self.launches else "?"
+
     # --- hooks --------------------------------------------------------------------------------
 
     def _ranges(self):
@@ -87,7 +103,7 @@ class WorkCount:
             out.append((base, base + t.numel() * t.element_size(), name, t.element_size()))
         return out
 
-    def _attribute(self, counter: Counter, ptrs, mask) -> None:
+    def _attribute(self, counter: Counter, per_kernel: Counter, ptrs, mask) -> None:
         import numpy as np
 
         addr = np.asarray(ptrs.data).reshape(-1)
@@ -95,6 +111,7 @@ class WorkCount:
             addr = addr[np.asarray(mask.data).reshape(-1).astype(bool)]
         if addr.size == 0:
             return
+        per_kernel[self._current] += int(addr.size) * _element_bytes(ptrs)
         for lo, hi, name, size in self._ranges_cache:
             n = int(np.count_nonzero((addr >= lo) & (addr < hi)))
             if n:
@@ -119,23 +136,33 @@ class WorkCount:
 
         def load(orig):
             def hooked(b, ptrs, mask, *rest, **kw):
-                wc._attribute(wc.loaded, ptrs, mask)
+                wc._attribute(wc.loaded, wc.kernel_loaded, ptrs, mask)
                 return orig(b, ptrs, mask, *rest, **kw)
             return hooked
 
         def store(orig):
             def hooked(b, ptrs, value, mask, *rest, **kw):
-                wc._attribute(wc.stored, ptrs, mask)
+                wc._attribute(wc.stored, wc.kernel_stored, ptrs, mask)
                 return orig(b, ptrs, value, mask, *rest, **kw)
             return hooked
 
         def op(kind):
             def make(orig):
                 def hooked(b, arg, *rest, **kw):
-                    wc.ops[kind] += int(getattr(getattr(arg, "data", None), "size", 1))
+                    n = int(getattr(getattr(arg, "data", None), "size", 1))
+                    wc.ops[kind] += n
+                    wc.kernel_ops[wc._current, kind] += n
                     return orig(b, arg, *rest, **kw)
                 return hooked
             return make
+
+        def dot(orig):
+            def hooked(b, a, bb, *rest, **kw):  # [.., M, K] x [.., K, N]: M K N multiply-accumulates a batch
+                n = int(getattr(getattr(a, "data", None), "size", 0)) * int(getattr(bb, "data", None).shape[-1])
+                wc.ops["dot_macs"] += n
+                wc.kernel_ops[wc._current, "dot_macs"] += n
+                return orig(b, a, bb, *rest, **kw)
+            return hooked
 
         def call(orig):
             def hooked(ex, *args, **kwargs):
@@ -156,6 +183,8 @@ class WorkCount:
             for meth, kind in OPS.items():
                 if hasattr(builder, meth):
                     patch(builder, meth, op(kind))
+            if hasattr(builder, "create_dot"):
+                patch(builder, "create_dot", dot)
             patch(executor, "__call__", call)
             patch(builder, "set_grid_dim", grid_dim)
         except Exception:
@@ -167,3 +196,42 @@ class WorkCount:
         while self._saved:
             owner, name, orig = self._saved.pop()
             setattr(owner, name, orig)
+
+
+def _element_bytes(ptrs) -> int:
+    """The size of what a block of pointers points at (the interpreter keeps its Triton pointer type)."""
+    ty = getattr(getattr(ptrs, "dtype", None), "element_ty", None)
+    bits = getattr(ty, "primitive_bitwidth", None)
+    if not bits:
+        raise WorkCountError(f"cannot tell the element size of a load through {getattr(ptrs, 'dtype', None)!r}")
+    return max(1, bits // 8)
+
+
+def report(ctx, wc: WorkCount, per: float, unit: str, kernel_location=None, prefix: str = "") -> None:
+    """Counted metrics of everything ``wc`` saw, per kernel and divided by ``per`` (tokens, outputs):
+    ``<kernel>.loaded_bytes`` and ``.stored_bytes`` (every byte, scratch buffers too), ``<kernel>.<op>`` (divisions,
+    special functions, dot multiply-accumulates), ``<kernel>.launches``; and over all of them ``launches`` and
+    ``loaded_bytes``.  All lower-is-better and ``counted``: the verdict calls any change of them beyond
+    ``verdict.COUNT_TOLERANCE`` a change, with no noise floor.  One finding per kernel states its counts, bound
+    to ``kernel_location(kernel)`` (a dict of file / kernel / condition) where given.  ``prefix`` goes before
+    every metric's name (several counted calls in one probe)."""
+    per = float(per)
+    if per <= 0:
+        raise ValueError(f"per must be positive, got {per}")
+    launches: Counter[str] = Counter(launch.kernel for launch in wc.launches)
+    for kernel in wc.kernels():
+        ops = {kind: n for (k, kind), n in sorted(wc.kernel_ops.items()) if k == kernel and n}
+        loaded, stored = wc.kernel_loaded[kernel] / per, wc.kernel_stored[kernel] / per
+        ctx.metric(f"{prefix}{kernel}.loaded_bytes", loaded, unit=f"B/{unit}", better="lower", counted=True)
+        ctx.metric(f"{prefix}{kernel}.stored_bytes", stored, unit=f"B/{unit}", better="lower", counted=True)
+        for kind, n in ops.items():
+            ctx.metric(f"{prefix}{kernel}.{kind}", n / per, unit=f"/{unit}", better="lower", counted=True)
+        ctx.metric(f"{prefix}{kernel}.launches", launches[kernel], better="lower", counted=True)
+        grids = sorted({launch.grid for launch in wc.launches if launch.kernel == kernel})
+        text = ", ".join([f"{loaded:.4g} B loaded", f"{stored:.4g} B stored"]
+                         + [f"{n / per:.4g} {kind}" for kind, n in ops.items()])
+        where = dict(kernel_location(kernel) if kernel_location else {}, kernel=kernel)
+        ctx.finding(f"per {unit}: {text}; {launches[kernel]} launch(es), grid {', '.join(map(str, grids))}", **where)
+    ctx.metric(f"{prefix}launches", len(wc.launches), better="lower", counted=True)
+    ctx.metric(f"{prefix}loaded_bytes", sum(wc.kernel_loaded.values()) / per, unit=f"B/{unit}", better="lower",
+               counted=True)

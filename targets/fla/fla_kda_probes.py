@@ -75,34 +75,59 @@ def decode_correctness(ctx: ProbeContext) -> None:
     first, the null slot (0) poisoned too and checked untouched; ``batches`` sequences of H heads at K = V =
     128, where a launch change (the V tile, the warps) takes effect.  What keeps a change to the decode launch
     honest where the GPU benchmarks cannot run."""
-    fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
-
     from feedback.correctness import fresh_generator
+
+    gen = fresh_generator(device=ctx.device)
+    worst = max(_checked_step(ctx, B, gen) for B in ctx.params.get("batches", [3]))
+    ctx.metric("max_rel_err", worst, better="lower")
+
+
+@probe(kind="trace")
+def decode_work(ctx: ProbeContext) -> None:
+    """What one pooled decode step of fla's kernel does, counted under Triton's interpreter
+    (``feedback.workcount``), kernel by kernel: bytes loaded and stored, divisions, special functions and dot
+    products per (sequence, head), launches.  Counted metrics: the verdict judges them against the base
+    exactly, so a launch change that makes every V tile reload q and k (or stops it) shows on a CPU.  The
+    counted step is checked against float64 as ``decode_correctness`` checks it."""
+    from feedback.correctness import fresh_generator
+    from feedback.workcount import WorkCount, report
+
+    B, H = ctx.params.get("batch", 3), ctx.params.get("H", 2)
+    with WorkCount() as wc:  # counts Triton launches only: the inputs and the float64 reference are torch's
+        err = _checked_step(ctx, B, fresh_generator(device=ctx.device))
+    ctx.metric("max_rel_err", err, better="lower")
+    report(ctx, wc, per=B * H, unit="head", kernel_location=lambda kernel: dict(
+        file=DECODE_FILE, condition=f"one pooled decode step, batch {B}, H={H}"))
+
+
+DECODE_FILE = "fla/ops/kda/fused_recurrent.py"
+
+
+def _checked_step(ctx: ProbeContext, B: int, gen: torch.Generator) -> float:
+    """One pooled decode step of ``B`` sequences against float64 (the state and the output, the null slot
+    untouched); its relative error."""
+    fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
     from target_stack.ops.kda.testing import make_inputs
 
     p = ctx.params
     H, K, V, tol = p.get("H", 2), p.get("K", 128), p.get("V", 128), float(p.get("tolerance", 1e-5))
     dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
-    gen = fresh_generator(device=ctx.device)
-    worst = 0.0
-    for B in p.get("batches", [3]):
-        q, k, v, g, beta = make_inputs(B, 1, H, K, V, dtype=dtype, decay_shift=3.0, generator=gen, device=ctx.device)
-        g, beta = g.float(), beta.float()
-        pool = torch.randn(B + 1, H, K, V, generator=gen, device=ctx.device) * 0.1
-        pool[0] = float("nan")  # the null slot: never read, never written
-        before = pool[1:].clone()
-        slots = torch.arange(1, B + 1, dtype=torch.int32, device=ctx.device)
-        out = torch.full_like(v, float("nan"))
-        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
-                                       ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
-        state_err, out_err = decode_errors((q, k, v, g, beta, before), pool[1:], o)
-        err = max(state_err, out_err / (1.0 if dtype == torch.float32 else 30.0))  # a bf16 output's rounding
-        worst = max(worst, err)
-        where = dict(file="fla/ops/kda/fused_recurrent.py", symbol="fused_recurrent_kda_fwd",
-                     condition=f"one pooled decode step, batch {B}, H={H}, K={K}, V={V}, {str(dtype)[6:]} inputs")
-        ctx.check(err < tol, f"rel. error {err:.2e} > {tol:g} against the float64 recurrence", **where)
-        ctx.check(bool(pool[0].isnan().all()), "the null slot (0) was written", **where)
-    ctx.metric("max_rel_err", worst, better="lower")
+    q, k, v, g, beta = make_inputs(B, 1, H, K, V, dtype=dtype, decay_shift=3.0, generator=gen, device=ctx.device)
+    g, beta = g.float(), beta.float()
+    pool = torch.randn(B + 1, H, K, V, generator=gen, device=ctx.device) * 0.1
+    pool[0] = float("nan")  # the null slot: never read, never written
+    before = pool[1:].clone()
+    slots = torch.arange(1, B + 1, dtype=torch.int32, device=ctx.device)
+    out = torch.full_like(v, float("nan"))
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                   ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
+    state_err, out_err = decode_errors((q, k, v, g, beta, before), pool[1:], o)
+    err = max(state_err, out_err / (1.0 if dtype == torch.float32 else 30.0))  # a bf16 output's rounding
+    where = dict(file=DECODE_FILE, symbol="fused_recurrent_kda_fwd",
+                 condition=f"one pooled decode step, batch {B}, H={H}, K={K}, V={V}, {str(dtype)[6:]} inputs")
+    ctx.check(err < tol, f"rel. error {err:.2e} > {tol:g} against the float64 recurrence", **where)
+    ctx.check(bool(pool[0].isnan().all()), "the null slot (0) was written", **where)
+    return err
 
 
 @probe(kind="microbench")

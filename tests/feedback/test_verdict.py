@@ -14,7 +14,16 @@ import pytest
 from feedback.harness import judge
 from feedback.manifest import parse_manifest
 from feedback.models import CriterionResult, FeedbackReport, Finding, Metric, ProbeComparison, ProbeResult, Status
-from feedback.verdict import MIN_NOISE, combine_runs, compare, compare_metric, noise_floor, replay_regressions, verdict
+from feedback.verdict import (
+    COUNT_TOLERANCE,
+    MIN_NOISE,
+    combine_runs,
+    compare,
+    compare_metric,
+    noise_floor,
+    replay_regressions,
+    verdict,
+)
 
 MANIFEST = parse_manifest("""
 schema_version: 1
@@ -133,6 +142,55 @@ def test_noise_floor_and_the_minimum():
 def test_status_kinds_show_their_numbers_but_never_judge_them():
     d = compare_metric("err", Metric(value=1e-7, better="lower"), Metric(value=9e-6, better="lower"), "correctness")
     assert d.verdict == "n/a" and d.change == pytest.approx(90)
+
+
+def counted(value: float) -> Metric:
+    return Metric(value=value, unit="B/token", better="lower", counted=True)
+
+
+def test_counted_work_is_judged_exactly_in_any_probe_kind():
+    """A count is not a measurement: one run is evidence, there is no noise floor, and a status kind's
+    counted metric is judged as a time would be in a performance kind."""
+    more = compare_metric("k.loaded_bytes", counted(1000.0), counted(1010.0), "trace")
+    assert more.verdict == "regressed" and more.change == pytest.approx(1.01) and more.noise is None
+    assert "counted" in more.note
+    less = compare_metric("k.loaded_bytes", counted(1000.0), counted(900.0), "correctness")
+    assert less.verdict == "improved"
+    same = compare_metric("k.loaded_bytes", counted(1000.0), counted(1000.0 * (1 + COUNT_TOLERANCE / 2)), "trace")
+    assert same.verdict == "unchanged"
+    # from none to some: no ratio, still a change (a division where there was none)
+    first = compare_metric("k.fdiv", counted(0.0), counted(0.5), "trace")
+    assert first.verdict == "regressed" and first.change is None
+    assert compare_metric("k.fdiv", counted(0.0), counted(0.0), "trace").verdict == "unchanged"
+    # the same numbers, not counted, in a status kind: shown, not judged
+    plain = compare_metric("k.loaded_bytes", Metric(value=1000.0, better="lower"), Metric(value=2000.0, better="lower"),
+                           "trace")
+    assert plain.verdict == "n/a"
+
+
+def test_more_counted_work_makes_the_verdict_worse_and_a_fix_still_wins():
+    base = [result("c", **{"k.loaded_bytes": counted(1000.0)})]
+    v = verdict(report([result("c", **{"k.loaded_bytes": counted(2000.0)})], base))
+    assert v.name == "worse" and v.regressed[0].startswith("c.k.loaded_bytes x2.000")
+    assert verdict(report([result("c", **{"k.loaded_bytes": counted(500.0)})], base)).name == "better"
+    # a check that failed and now holds outranks the extra work it costs
+    failing = [result("c", Status.failed, **{"k.loaded_bytes": counted(1000.0)})]
+    assert verdict(report([result("c", **{"k.loaded_bytes": counted(2000.0)})], failing)).name == "better"
+
+
+def test_replay_holds_counted_work_to_the_record_under_the_same_triton():
+    def at(r: ProbeResult, triton: str) -> ProbeResult:
+        return r.model_copy(update={"environment": r.environment.model_copy(update={"triton": triton})})
+
+    then = [("trace", at(result("c", **{"k.loaded_bytes": counted(1000.0), "err": Metric(value=1e-7)}), "3.6.0"))]
+    regressed, details = replay_regressions(then, [at(result("c", **{"k.loaded_bytes": counted(1300.0)}), "3.6.0")], [])
+    assert regressed == ["c: more counted work than recorded: k.loaded_bytes x1.300"]
+    ok, details = replay_regressions(then, [at(result("c", **{"k.loaded_bytes": counted(1000.0)}), "3.6.0")], [])
+    assert ok == [] and details[0].endswith("counted work as recorded")
+    gone, _ = replay_regressions(then, [at(result("c"), "3.6.0")], [])
+    assert gone and "k.loaded_bytes 1e+03 -> none" in gone[0]
+    other, details = replay_regressions(then, [at(result("c", **{"k.loaded_bytes": counted(1300.0)}), "3.9.0")], [])
+    assert other == [] and "recorded under Triton 3.6.0: not compared" in details[0]
 
 
 def test_combine_runs_keeps_samples_and_stops_at_a_broken_run():

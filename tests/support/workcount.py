@@ -61,7 +61,9 @@ want = (w.double() / (x.double().square().sum(-1, keepdim=True) + 1e-6).sqrt() *
 err = ((out.double() - want).abs().max() / want.abs().max()).item()
 print(json.dumps(dict(reads_x=wc.reads("x"), reads_w=wc.reads("w"), ops=dict(wc.ops), err=err,
                       grids=[list(l.grid) for l in wc.launches], kernels=[l.kernel for l in wc.launches],
-                      out_bytes=wc.stored["x"] + wc.stored["w"])))
+                      out_bytes=wc.stored["x"] + wc.stored["w"], kernel_loaded=dict(wc.kernel_loaded),
+                      kernel_stored=dict(wc.kernel_stored),
+                      kernel_ops={f"{k}.{kind}": n for (k, kind), n in wc.kernel_ops.items()})))
 '''
 
 

@@ -91,7 +91,8 @@ def test_the_tile_widening_reaches_fla_decode_launch_and_its_probe_judges_it(fla
     """fla launches its decode kernel over a flattened grid (``cdiv(V, BV) * N * HV``, the tile indices
     computed from one program id): the fuse-v-tiles transform widens its V tile per launch there, the
     manifest's decode probe (fla's kernel in the interpreter, against float64) passes the widened kernel,
-    and fails one whose grid then drops a V tile."""
+    its counted-work probe sees fewer bytes loaded per head, and the decode probe fails one whose grid then
+    drops a V tile."""
     from feedback.manifest import load_manifest
     from feedback.models import FeedbackReport, Metric, ProbeResult, Status
     from playbooks.model import evaluate, load_library, run_transform
@@ -102,18 +103,31 @@ def test_the_tile_widening_reaches_fla_decode_launch_and_its_probe_judges_it(fla
     # playbook asks for under 60%, as an issue-bound step would read)
     slow = FeedbackReport(target=str(fla_052), candidate="base", results=[ProbeResult(
         probe="fla.kda.decode.b64", status=Status.passed, metrics={"bandwidth_vs_copy": Metric(value=0.55)})])
+    def probe(tree: pathlib.Path, pid: str) -> dict:
+        out = _cli("feedback", "--target", str(tree), "--manifest", str(MANIFEST), "--probe", pid, "--json",
+                   "--no-cache", cwd=tmp_path)
+        (res,) = json.loads(out.stdout)["results"]
+        return res
+
+    before = probe(fla_052, "fla.kda.decode.work")
     pb = load_library()["fuse-v-tiles"]
     app = evaluate(pb, slow, fla_052, covers)
     assert app.applies, app.reason
     assert run_transform(pb, fla_052, app) == ["fla/ops/kda/fused_recurrent.py"]
+    # counted in the interpreter: one program per head now loads q, k and the gates where each V tile did
+    after = probe(fla_052, "fla.kda.decode.work")
+    assert before["status"] == after["status"] == "pass", (before["reason"], after["reason"])
+    loaded = {side: {n: m["value"] for n, m in r["metrics"].items() if n.endswith(".loaded_bytes")}
+              for side, r in (("before", before), ("after", after))}
+    (kernel,) = [n for n in loaded["before"] if n != "loaded_bytes"]
+    assert all(m["counted"] for n, m in after["metrics"].items() if n != "max_rel_err")
+    state = 128 * 128 * 4  # the [K, V] fp32 state, read once per (sequence, head) either way
+    assert state < loaded["after"][kernel] < loaded["before"][kernel]
     src = (fla_052 / "fla/ops/kda/fused_recurrent.py").read_text()
     assert "    BV = _widest_tile(V, BV, N * HV)\n" in src  # after fla's own BV = 32, before its grid
 
     def decode(tree: pathlib.Path) -> dict:
-        out = _cli("feedback", "--target", str(tree), "--manifest", str(MANIFEST), "--probe",
-                   "fla.kda.decode.correctness", "--json", "--no-cache", cwd=tmp_path)
-        (res,) = json.loads(out.stdout)["results"]
-        return res
+        return probe(tree, "fla.kda.decode.correctness")
 
     widened = decode(fla_052)
     assert widened["status"] == "pass", widened
@@ -136,7 +150,8 @@ def test_a_decode_change_reruns_the_decode_probes_and_not_the_prefill_benchmark(
     from feedback.select import select
 
     manifest = load_manifest(fla_052, MANIFEST)
-    decode = {"fla.kda.decode.correctness", "fla.kda.decode.b1", "fla.kda.decode.b64", "fla.kda.decode.b256"}
+    decode = {"fla.kda.decode.correctness", "fla.kda.decode.work", "fla.kda.decode.b1", "fla.kda.decode.b64",
+              "fla.kda.decode.b256"}
     assert {p.id for p in select(manifest, ["fla/ops/kda/fused_recurrent.py"])} == decode
     chunked = [p.relative_to(fla_052).as_posix() for p in (fla_052 / "fla/ops/kda").glob("chunk*.py")]
     assert chunked
