@@ -16,6 +16,11 @@ computed once and then served from the cache).  Each defect is then
   ``location.file`` equal to or containing the path, or an error's ``(at FILE:LINE ...)``.  The
   generic "cover ..." list of an error's localisation line does not count.
 
+A performance defect (a corpus of them: ``bench/perf_defects.yaml``) leaves every result right; it is
+CAUGHT when a counted metric (``Metric.counted``: work counted under the interpreter, exact) regressed
+against the clean tree, and LOCALISED when the probe's finding for the kernel the metric names is bound
+to the mutated file.
+
 An entry whose ``old`` text is absent or ambiguous is refused as "not applicable" (the run goes on);
 an entry with ``needs_gpu: true`` is skipped on a machine without a GPU and listed as unreachable.
 The working tree is never modified: every edit is made in a scratch copy under a temporary folder.
@@ -161,6 +166,16 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
     held = {c.name for c in base_acc if c.holds is True}
     broke = [c for c in report.acceptance if c.holds is False and c.name in held]
     localised_by = [r.probe for r in caught_by if any(m.expect in n for n in _named_files(r))]
+    # more counted work than the clean tree (exact counts: no noise), bound to the kernel the metric names
+    results = {r.probe: r for r in report.results}
+    more_work = [(c.probe, d.name) for c in report.comparisons for d in c.deltas
+                 if d.verdict == "regressed" and (d.note or "").startswith("counted")]
+    worked = sorted({probe for probe, _ in more_work if probe not in {r.probe for r in caught_by}})
+    caught_by = caught_by + [results[p] for p in worked]
+    localised_by += [p for p in worked if any(
+        f.location.kernel and m.expect in (f.location.file or "") and any(f".{f.location.kernel}." in f".{n}."
+                                                                        for q, n in more_work if q == p)
+        for f in results[p].findings)]
     ids = {r.probe for r in caught_by}
     lines = [line for c in report.comparisons if c.probe in ids for line in c.localisation]
     lines += [f"acceptance {c.name}: {c.expression} fails (value {c.value:.4g})" for c in broke]
@@ -179,6 +194,7 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
         "statuses": {r.probe: r.status.value for r in report.results},
         "stopped_at": report.stopped_at,
         "first_localisation": lines[0] if lines else None,
+        "more_work": [f"{p}.{n}" for p, n in more_work],
     }
 
 

@@ -360,7 +360,7 @@ def decode_work(ctx: ProbeContext) -> None:
     the programs the grid runs per (sequence, head).  Device-independent: the manifest runs it in
     the interpreter on every machine.  The counted call's outputs and states are checked against
     float64 too, so a kernel that skips work cannot show less of it."""
-    from feedback.workcount import WorkCount
+    from feedback.workcount import WorkCount, report
 
     c = ctx.params
     N, H, K, V = c["batch"], c["H"], c["K"], c["V"]
@@ -394,6 +394,8 @@ def decode_work(ctx: ProbeContext) -> None:
     ctx.metric("divisions_per_output", divisions, better="lower", counted=True)
     ctx.metric("special_ops_per_output", special, better="lower", counted=True)
     ctx.metric("programs_per_head", programs / (N * H))
+    # and every kernel's own counts (bytes, special functions, launches) per (sequence, head), bound to it
+    report(ctx, wc, per=N * H, unit="head", kernel_location=lambda name: dict(file=RECURRENT, condition=cond))
     grids = ", ".join(f"{launch.kernel}{launch.grid}" for launch in wc.launches)
     if reads[worst] > 1:
         ctx.finding(f"{', '.join(n for n in inputs if reads[n] > 1)} fetched {reads[worst]:.0f}x per step: "

@@ -1,10 +1,11 @@
 """Counted work of the decode step's small Triton ops (protected from patches).
 
-Each op runs once at a decode-sized shape under Triton's interpreter with ``feedback.workcount`` counting,
-kernel by kernel, the bytes loaded and stored, the divisions, special functions and dot products, and the
-launches (``workcount.report``: counted metrics, which the verdict judges against the base exactly, on any
-machine).  A change that keeps every result right but reloads a row in every tile, repeats a reduction, or
-adds a launch shows as that op's count.
+Each op (the norm both gated and as the residual stream's add-and-norm) runs once at a decode-sized shape
+under Triton's interpreter with ``feedback.workcount`` counting, kernel by kernel, the bytes loaded and
+stored, the divisions, special functions and dot products, and the launches (``workcount.report``: counted
+metrics, which the verdict judges against the base exactly, on any machine). A change that keeps every
+result right but reloads a row in every tile, repeats a reduction, or adds a launch shows as that op's
+count.
 
 Inputs are fresh random on every run; what each op's count depends on is fixed (shapes, lengths, and the
 experts each token uses), so the same tree counts the same work.  Each result is held to a float64 formula
@@ -39,7 +40,8 @@ def decode_ops_work(ctx: ProbeContext) -> None:
     gen = fresh_generator(device=ctx.device)
     tol = float(c.get("tolerance", 1e-5))
     worst = 0.0
-    for name, file, run in (("rms_norm", NORM, _norm), ("moe_route", ROUTE, _route),
+    for name, file, run in (("rms_norm", NORM, _norm), ("rms_norm.residual", NORM, _add_norm),
+                            ("moe_route", ROUTE, _route),
                             ("small_batch.token", SMALL_BATCH, lambda c, g: _experts(c, g, "token")),
                             ("small_batch.expert", SMALL_BATCH, lambda c, g: _experts(c, g, "expert")),
                             ("sparse_decode", SPARSE_DECODE, _sparse_decode),
@@ -79,6 +81,19 @@ def _norm(c: dict, gen: torch.Generator):
     want = ref.rmsnorm(f64(x), f64(w)) * ref.sigmoid(f64(gate))
     return (lambda: rms_norm(x, w, ref.EPS, gate=gate)), (lambda y: rel_err(y, want)), T, \
         f"gated RMSNorm, T={T}, dim={D}"
+
+
+def _add_norm(c: dict, gen: torch.Generator):
+    """The residual stream's add-and-norm (``RMSNorm.add_forward`` on a GPU): (norm(x + res), x + res)."""
+    from target_stack.ops.norm import rms_norm
+
+    T, D = c["tokens"], c["dim"]
+    x, res = _randn(gen, T, D), _randn(gen, T, D)
+    w = torch.rand(D, generator=gen, device=gen.device) + 0.5
+    total = f64(x) + f64(res)
+    want = ref.rmsnorm(total, f64(w))
+    return (lambda: rms_norm(x, w, ref.EPS, residual=res)), \
+        (lambda out: max(rel_err(out[0], want), rel_err(out[1], total))), T, f"add-and-norm, T={T}, dim={D}"
 
 
 def _route(c: dict, gen: torch.Generator):

@@ -47,6 +47,23 @@ def test_every_corpus_entry_applies_to_exactly_one_place(clean):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("corpus", ["blind3.yaml", "blind4.yaml", "perf_defects.yaml"])
+def test_every_entry_of_the_other_corpora_applies_once_and_compiles(clean, corpus):
+    problems = []
+    for m in mutations.load_corpus(ROOT / "bench" / corpus):
+        try:
+            text, at = mutations.locate(m, clean)
+        except mutations.NotApplicable as exc:
+            problems.append(f"{m.id}: {exc}")
+            continue
+        if m.file.endswith(".py"):
+            try:
+                compile(text[:at] + m.new + text[at + len(m.old):], m.file, "exec")
+            except SyntaxError as exc:
+                problems.append(f"{m.id}: the mutated {m.file} does not compile: {exc}")
+    assert not problems, "\n".join(problems)
+
+
 def test_absent_or_ambiguous_text_is_not_applicable(tmp_path):
     (tmp_path / "a.py").write_text("x = 1\nx = 1\ny = 2\n")
     entry = {"area": "engine", "file": "a.py", "new": "z = 3", "description": "d", "expect": "a.py"}
@@ -97,3 +114,39 @@ def test_end_to_end_on_two_cheap_defects(tmp_path):
     assert "kda.cp.correctness" in late["caught_by"]
     assert data["totals"]["caught"] == 2 and data["totals"]["localised"] == 2
     assert "[1/2]" in proc.stdout and "[2/2]" in proc.stdout
+
+
+def test_a_performance_defect_is_caught_by_counted_work_and_localised_by_its_kernel():
+    """No probe fails on a performance defect: more counted work than the clean tree catches it, and the
+    probe's finding for the kernel the regressed metric names localises it."""
+    from feedback.models import (
+        FeedbackReport,
+        Finding,
+        Location,
+        MetricDelta,
+        ProbeComparison,
+        ProbeResult,
+        Status,
+    )
+
+    m = mutations.Mutation(id="p", area="kernel", file="ops/a.py", old="x", new="y", description="d", expect="ops/a.py")
+
+    def report(verdict: str, note: str, kernel_file: str) -> FeedbackReport:
+        findings = [Finding(message="per token: ...", location=Location(file=kernel_file, kernel="_k")),
+                    Finding(message="per token: ...", location=Location(file="ops/b.py", kernel="_other"))]
+        res = ProbeResult(probe="w", status=Status.passed, findings=findings)
+        delta = MetricDelta(name="op._k.loaded_bytes", baseline=1.0, candidate=2.0, change=2.0, verdict=verdict,
+                            note=note)
+        return FeedbackReport(target="t", candidate="c", results=[res],
+                              baseline_results=[res.model_copy(update={"findings": []})],
+                              comparisons=[ProbeComparison(probe="w", kind="trace", baseline=Status.passed,
+                                                           candidate=Status.passed, deltas=[delta])])
+
+    got = mutations.classify(report("regressed", "counted: exact, no noise", "ops/a.py"), m, {"w": "trace"})
+    assert got["caught"] and got["localised"] and got["caught_by"] == ["w"]
+    assert got["more_work"] == ["w.op._k.loaded_bytes"]
+    elsewhere = mutations.classify(report("regressed", "counted: exact, no noise", "ops/c.py"), m, {"w": "trace"})
+    assert elsewhere["caught"] and not elsewhere["localised"]
+    # a timed metric's regression is not counted work: the noise rule's business, not a catch here
+    timed = mutations.classify(report("regressed", "", "ops/a.py"), m, {"w": "microbench"})
+    assert not timed["caught"] and timed["more_work"] == []

@@ -61,6 +61,8 @@ def test_a_division_per_element_in_the_norm_is_judged_worse_by_name(tmp_path):
     assert res.status.value == "pass", (res.reason, [f.message for f in res.findings if "per token" not in f.message])
     assert report.verdict.name == "worse", report.verdict.reason
     grew = {r.split(" ")[0] for r in report.verdict.regressed}
-    # the norm's own count, and nothing else: every other op did the same work
-    assert grew == {"model.decode_ops.work.rms_norm._rms_norm_kernel.fdiv"}, grew
+    # the norm's own counts on both its paths (gated, and the add-and-norm), and nothing else: every other op
+    # did the same work
+    assert grew == {"model.decode_ops.work.rms_norm._rms_norm_kernel.fdiv",
+                    "model.decode_ops.work.rms_norm.residual._rms_norm_kernel.fdiv"}, grew
     assert any(f.location.kernel == "_rms_norm_kernel" and f.location.file == NORM for f in res.findings)
