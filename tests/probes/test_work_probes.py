@@ -14,6 +14,17 @@ CHUNK = "target_stack/ops/kda/chunk.py"
 NARROW = ("BV = min(block_size(V), 32 if BK > 64 else 64)", "BV = min(block_size(V), 32 if BK > 64 else 64) // 2")
 
 
+def _mutant(tmp_path, clean, file: str, edit: tuple[str, str]):
+    """A copy of the clean tree with one edit made in ``file`` (its text there exactly once)."""
+    mutant = tmp_path / "mutant"
+    shutil.copytree(clean, mutant)
+    path = mutant / file
+    source = path.read_text()
+    assert source.count(edit[0]) == 1
+    path.write_text(source.replace(*edit))
+    return mutant
+
+
 def test_narrower_prefill_tiles_are_more_counted_work_and_the_same_tree_is_unchanged(tmp_path):
     clean = materialize_bundled(tmp_path / "clean")
     again = judge(clean, baseline_tree=clean, probe_ids=["kda.chunk.work"], use_cache=False, jobs=2)
@@ -23,12 +34,7 @@ def test_narrower_prefill_tiles_are_more_counted_work_and_the_same_tree_is_uncha
     counted = [d for c in again.comparisons for d in c.deltas if d.note.startswith("counted")]
     assert len(counted) > 10 and all(d.verdict == "unchanged" for d in counted)
 
-    mutant = tmp_path / "mutant"
-    shutil.copytree(clean, mutant)
-    path = mutant / CHUNK
-    source = path.read_text()
-    assert source.count(NARROW[0]) == 1
-    path.write_text(source.replace(*NARROW))
+    mutant = _mutant(tmp_path, clean, CHUNK, NARROW)
     report = judge(mutant, baseline_tree=clean, changed=[CHUNK], probe_ids=["kda.chunk.work"], use_cache=False,
                    jobs=2)
     (res,) = report.results
@@ -49,12 +55,7 @@ DIVIDE = ("out = xv * tl.rsqrt(tl.sum(xv * xv, axis=0) / N + eps) * wv",
 
 def test_a_division_per_element_in_the_norm_is_judged_worse_by_name(tmp_path):
     clean = materialize_bundled(tmp_path / "clean")
-    mutant = tmp_path / "mutant"
-    shutil.copytree(clean, mutant)
-    path = mutant / NORM
-    source = path.read_text()
-    assert source.count(DIVIDE[0]) == 1
-    path.write_text(source.replace(*DIVIDE))
+    mutant = _mutant(tmp_path, clean, NORM, DIVIDE)
     report = judge(mutant, baseline_tree=clean, changed=[NORM], use_cache=False, jobs=2,
                    probe_ids=["model.decode_ops.work"])
     (res,) = report.results
