@@ -158,7 +158,11 @@ class WorkCount:
 
         def dot(orig):
             def hooked(b, a, bb, *rest, **kw):  # [.., M, K] x [.., K, N]: M K N multiply-accumulates a batch
-                n = int(getattr(getattr(a, "data", None), "size", 0)) * int(getattr(bb, "data", None).shape[-1])
+                lhs, rhs = getattr(a, "data", None), getattr(bb, "data", None)
+                if getattr(lhs, "size", None) is None or not getattr(rhs, "shape", None):
+                    raise WorkCountError("this Triton's interpreter hands tl.dot operands without arrays: "
+                                         "cannot count its multiply-accumulates")
+                n = int(lhs.size) * int(rhs.shape[-1])
                 wc.ops["dot_macs"] += n
                 wc.kernel_ops[wc._current, "dot_macs"] += n
                 return orig(b, a, bb, *rest, **kw)
