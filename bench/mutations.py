@@ -170,13 +170,11 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
     results = {r.probe: r for r in report.results}
     more_work = [(c.probe, d.name) for c in report.comparisons for d in c.deltas
                  if d.verdict == "regressed" and (d.note or "").startswith("counted")]
-    worked = sorted({probe for probe, _ in more_work if probe not in {r.probe for r in caught_by}})
-    caught_by = caught_by + [results[p] for p in worked]
-    localised_by += [p for p in worked if any(
-        f.location.kernel and m.expect in (f.location.file or "") and any(f".{f.location.kernel}." in f".{n}."
-                                                                        for q, n in more_work if q == p)
-        for f in results[p].findings)]
     ids = {r.probe for r in caught_by}
+    worked = sorted({probe for probe, _ in more_work} - ids)
+    caught_by = caught_by + [results[p] for p in worked]
+    localised_by += [p for p in worked if _work_localised(results[p], [n for q, n in more_work if q == p], m.expect)]
+    ids.update(worked)
     lines = [line for c in report.comparisons if c.probe in ids for line in c.localisation]
     lines += [f"acceptance {c.name}: {c.expression} fails (value {c.value:.4g})" for c in broke]
     return {
@@ -196,6 +194,13 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
         "first_localisation": lines[0] if lines else None,
         "more_work": [f"{p}.{n}" for p, n in more_work],
     }
+
+
+def _work_localised(result, grown: list[str], expect: str) -> bool:
+    """Whether one of the kernels whose counted metrics (``grown``: ``...<kernel>.<count>``) grew is bound, by
+    the probe's finding for that kernel, to the file ``expect``."""
+    return any(f.location.kernel and expect in (f.location.file or "")
+               and any(f".{f.location.kernel}." in f".{name}." for name in grown) for f in result.findings)
 
 
 _clean_manifest: list = []  # the clean tree's manifest, once loaded

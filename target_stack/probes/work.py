@@ -15,6 +15,8 @@ are the ``model.layers`` probe's.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 import target_stack.ops  # noqa: F401  (runtime choice before triton loads)
@@ -108,15 +110,15 @@ def _route(c: dict, gen: torch.Generator):
 
     T, D, E, k = c["tokens"], c["dim"], c["experts"], c["top_k"]
     x, router, bias = _randn(gen, T, D), _randn(gen, E, D) * D**-0.5, 0.1 * _randn(gen, E)
-    scores = ref.sigmoid(f64(x) @ f64(router).T)
+    w_ref, idx_ref, _ = ref.moe_route(f64(x), SimpleNamespace(router=router, router_bias=bias, top_k=k))
 
     def check(out) -> float:
         w, idx = out
-        chosen = (scores + f64(bias)).topk(k, dim=-1).indices
-        if not torch.equal(idx.cpu().sort(-1).values, chosen.cpu().sort(-1).values):
+        mine, order = idx.cpu().sort(-1)
+        theirs, order_ref = idx_ref.cpu().sort(-1)
+        if not torch.equal(mine, theirs):
             return float("inf")  # other experts than the float64 top-k (random scores: no ties to speak of)
-        picked = scores.gather(-1, idx.long())
-        return rel_err(w, picked / picked.sum(-1, keepdim=True))
+        return rel_err(w.cpu().gather(-1, order), w_ref.cpu().gather(-1, order_ref))
 
     return (lambda: moe_route(x, router, bias, k)), check, T, f"T={T}, dim={D}, experts={E}, top_k={k}"
 
@@ -132,8 +134,7 @@ def _experts(c: dict, gen: torch.Generator, form: str):
     idx = ((torch.arange(T)[:, None] * k + torch.arange(k)[None, :]) % E).to(gen.device)
 
     def expert(x64, e):
-        g, u = f64(gu[e, :Hd]), f64(gu[e, Hd:])
-        return (ref.silu(x64 @ g.T) * (x64 @ u.T)) @ f64(down[e]).T
+        return ref.swiglu(x64, SimpleNamespace(w_gate=gu[e, :Hd], w_up=gu[e, Hd:], w_down=down[e]))
 
     x64 = f64(x)
     want = expert(x64, E) + sum(f64(w[:, j:j + 1]) * torch.stack([expert(x64[t:t + 1], int(idx[t, j]))[0]
