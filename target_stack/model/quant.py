@@ -29,9 +29,17 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], accumulated in int32."""
-    if a.is_cuda and hasattr(torch, "_int_mm") and a.shape[0] > 16:
-        return torch._int_mm(a, b_t.t().contiguous())
+    """int8 [M, K] x int8 [N, K]^T -> int32 [M, N], accumulated exactly.
+
+    On a GPU: the int8 tensor-core product (``torch._int_mm``, which takes more than 16 rows and K and N
+    multiples of 8: a short batch is padded with zero rows), else float64 (exact: every partial sum is an
+    integer below 2**53 for K up to 5e11); CUDA has no int32 matmul.  On a CPU: int32."""
+    if a.is_cuda:
+        (M, K), N = a.shape, b_t.shape[0]
+        if hasattr(torch, "_int_mm") and K % 8 == 0 and N % 8 == 0:
+            padded = a if M > 16 else torch.cat([a, a.new_zeros(17 - M, K)])
+            return torch._int_mm(padded.contiguous(), b_t.t().contiguous())[:M]
+        return (a.double() @ b_t.double().t()).to(torch.int32)
     return (a.to(torch.int32) @ b_t.to(torch.int32).t()).to(torch.int32)
 
 

@@ -44,8 +44,10 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_gate64(x: torch.Tensor, a_log: torch.Tensor) -> torch.Tensor:
-    """KDA's log decay -exp(A_log[h]) softplus(x) for softplus's input x = raw + dt_bias [..., H, K], in float64."""
-    return -torch.exp(f64(a_log))[:, None] * softplus(f64(x))
+    """KDA's log decay -exp(A_log[h]) softplus(x) for softplus's input x = raw + dt_bias [..., H, K], in float64,
+    on x's device (a GPU probe's reference stays beside its inputs; a CPU reference's stays on the CPU)."""
+    x = x.detach().double()
+    return -torch.exp(a_log.detach().to(x.device, F64))[:, None] * softplus(x)
 
 
 #: softplus inputs where the gate's arithmetic changes: torch's (and the kernels') linear branch above 20, the

@@ -11,6 +11,7 @@ import torch
 
 from feedback.probe import ProbeContext
 from target_stack.ops.kda import chunk_kda
+from target_stack.ops.kda.testing import DEVICE
 from target_stack.probes import kda
 
 CASES = [
@@ -26,7 +27,7 @@ CASES = [
 
 def _run(fn, tmp_path) -> ProbeContext:
     ctx = ProbeContext("kda.chunk.correctness", {"tolerance": 1e-5, "cases": CASES}, str(tmp_path))
-    ctx._device = "cpu"
+    ctx._device = DEVICE  # the interpreter here; on a GPU the compiled kernels and real 16-bit tiles
     kda._sweep(ctx, fn, "target_stack/ops/kda/chunk.py", "chunk_kda")
     return ctx
 
