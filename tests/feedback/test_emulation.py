@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -153,3 +154,81 @@ def test_cp_merge_error_grows_with_partitions_at_tf32_only(gen):
     assert hi / lo <= 3, errs
     # and without the emulation the tf32 bug is invisible: the reason the emulation exists
     assert _cp_errors(x, ref_o, "tf32", 64) < 1e-5
+
+
+NESTED = '''
+import json, sys
+import torch, triton, triton.language as tl
+from triton.runtime import interpreter
+
+calls = [0]
+original = interpreter._patch_lang
+
+
+def counting(fn):
+    calls[0] += 1
+    return original(fn)
+
+
+interpreter._patch_lang = counting
+if sys.argv[1] == "1":
+    from feedback.emulation import mend_interpreter
+    mend_interpreter()
+
+
+@triton.jit
+def _softplus(x):
+    return tl.log(1 + tl.exp(x))
+
+
+@triton.jit
+def _row(x, o, N: tl.constexpr):
+    return _softplus(tl.load(x + o)) * 2
+
+
+@triton.jit
+def kern(x, out, N: tl.constexpr):
+    o = tl.program_id(0) * N + tl.arange(0, N)
+    acc = tl.zeros([N], dtype=tl.float32)
+    for _ in range(3):
+        acc += _row(x, o, N)
+    tl.store(out + o, acc)
+
+
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+x = torch.randn(8, 16, generator=g)
+outs, per_launch = [], []
+for _ in range(2):
+    out = torch.full_like(x, float("nan"))
+    kern[(8,)](x, out, N=16)
+    outs.append(out)
+    per_launch.append(calls[0] - sum(per_launch))
+want = 6 * torch.log1p(torch.exp(x.double()))
+print(json.dumps({"outs": [o.flatten().tolist() for o in outs], "calls": per_launch,
+                  "err": float(((outs[1].double() - want).abs() / want.abs()).max()),
+                  "load_builtin_after": bool(tl.core.is_builtin(tl.load))}))
+'''
+
+
+def test_helpers_are_not_repatched_within_a_launch_and_compute_the_same_bits(tmp_path):
+    """mend_interpreter's skip of the language re-patch a @triton.jit helper does on every call: once per
+    launch instead of per helper call per program, and the same output to the bit, on every launch."""
+    seed = str(int.from_bytes(os.urandom(4), "little"))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    runs = {}
+    for mended in ("0", "1"):
+        out = subprocess.run([sys.executable, "-c", NESTED, mended, seed], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[mended] = json.loads(out.stdout.strip().splitlines()[-1])
+    plain, mended = runs["0"], runs["1"]
+    # per launch: the launch's own patch, then in each of the 8 programs one per helper call (3 iterations x 2
+    # helpers, and tl.zeros: Triton's standard library is jit helpers too)
+    first, second = plain["calls"]
+    assert first == second and first >= 1 + 8 * 3 * 2 and (first - 1) % 8 == 0
+    # mended: the launch's own, and the first helper from a module whose language modules it had not patched
+    # (tl.zeros sees triton.language.core, the kernel triton.language): per launch, not per program
+    assert mended["calls"][0] == mended["calls"][1] <= 3
+    assert mended["outs"] == plain["outs"] and mended["outs"][0] == mended["outs"][1]
+    assert mended["err"] < 1e-5
+    assert mended["load_builtin_after"] == plain["load_builtin_after"]  # what a launch restores, restored
