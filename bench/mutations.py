@@ -145,7 +145,13 @@ def tree_digest(tree: pathlib.Path) -> str:
 
 # -- judging --------------------------------------------------------------------------------------------
 def _named_files(result) -> list[str]:
-    names = [f.location.file for f in result.findings if f.location.file]
+    """The files a failing result names: its failed checks' (what it observed on the way is not a place), and
+    its reason's."""
+    try:
+        from feedback.models import failures
+    except ImportError:  # an older harness: every finding
+        failures = list
+    names = [f.location.file for f in failures(result.findings) if f.location.file]
     names += _AT.findall(result.reason or "")
     return names
 
@@ -197,10 +203,14 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
 
 
 def _work_localised(result, grown: list[str], expect: str) -> bool:
-    """Whether one of the kernels whose counted metrics (``grown``: ``...<kernel>.<count>``) grew is bound, by
-    the probe's finding for that kernel, to the file ``expect``."""
-    return any(f.location.kernel and expect in (f.location.file or "")
-               and any(f".{f.location.kernel}." in f".{name}." for name in grown) for f in result.findings)
+    """Whether one of the kernels or functions whose counted metrics grew (``grown``: ``...<kernel>.<count>``,
+    or ``<file>:<function>.<count>``) is bound, by the probe's finding for it, to the file ``expect``."""
+    def names(f) -> list[str]:
+        loc = f.location
+        return [n for n in (loc.kernel, f"{loc.file}:{loc.symbol}" if loc.file and loc.symbol else None) if n]
+
+    return any(expect in (f.location.file or "") and any(f".{n}." in f".{name}." for n in names(f) for name in grown)
+               for f in result.findings)
 
 
 _clean_manifest: list = []  # the clean tree's manifest, once loaded

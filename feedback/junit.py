@@ -88,5 +88,6 @@ def read_junit(path: pathlib.Path, tree: pathlib.Path, limit: int = 20) -> JUnit
         if len(out.findings) < limit:
             where = (Location(file=site[0], symbol=site[2], condition=f"line {site[1]}, in test {name}") if site
                      else Location(file=case.get("file"), condition=f"test {name}"))
-            out.findings.append(Finding(message=f"{name} {kind}: {message.splitlines()[0][:300]}", location=where))
+            out.findings.append(Finding(message=f"{name} {kind}: {message.splitlines()[0][:300]}", location=where,
+                                        failed=True))
     return out

@@ -81,6 +81,16 @@ class Finding(_Model):
 
     message: str
     location: Location = Field(default_factory=Location)
+    # a check that failed (``ProbeContext.fail``, a threshold, a failing test), not what a probe observed on
+    # the way (a kernel's counts, a note): the headline of a failure and the lines that localise it come
+    # from these first (records from before the field have none: all of their findings count)
+    failed: bool = False
+
+
+def failures(findings: list[Finding]) -> list[Finding]:
+    """The failed checks among ``findings``, or all of them where none is marked (an older record)."""
+    marked = [f for f in findings if f.failed]
+    return marked or list(findings)
 
 
 class Fingerprint(_Model):

@@ -71,7 +71,7 @@ class ProbeContext:
 
     def fail(self, message: str, **location: str | None) -> None:
         self.failed = True
-        self.finding(message, **location)
+        self.findings.append(Finding(message=message, location=Location(**location), failed=True))
 
     def check(self, ok: bool, message: str, **location: str | None) -> bool:
         if not ok:

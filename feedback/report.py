@@ -11,7 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from feedback.manifest import Manifest, ProbeSpec
-from feedback.models import FeedbackReport, ProbeResult, Status
+from feedback.models import FeedbackReport, ProbeResult, Status, failures
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -66,7 +66,7 @@ def localise(spec: ProbeSpec, result: ProbeResult) -> list[str]:
     if result.status in (Status.error, Status.timeout):
         return [f"probe `{spec.id}` {result.status.value}: {result.reason}; cover {cover}"]
     lines = []
-    for f in result.findings:
+    for f in failures(result.findings):  # what failed, not what the probe observed on the way
         where = f.location.render() or (f"cover {cover}" if cover else "")
         lines.append(f"probe `{spec.id}` failed: {f.message}" + (f"; {where}" if where else ""))
     return lines or [f"probe `{spec.id}` failed; cover {cover}"]

@@ -435,10 +435,10 @@ class Runner:
             metric, count, sites = run_check(spec.check, self.tree, spec.params.get("paths"), **options)
         except ValueError as exc:
             return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
-        findings = [Finding(message=s.message, location=Location(file=s.file, symbol=s.symbol,
-                                                                  condition=f"line {s.line}"))
-                    for s in sites[:50]]
         failed = count > 0 and metric not in spec.thresholds  # a threshold, where given, decides instead
+        findings = [Finding(message=s.message, location=Location(file=s.file, symbol=s.symbol,
+                                                                  condition=f"line {s.line}"), failed=failed)
+                    for s in sites[:50]]
         return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
                            metrics={metric: Metric(value=count, better="lower")}, findings=findings,
                            duration_s=time.perf_counter() - t0), True
@@ -554,7 +554,7 @@ def witnessed(result: ProbeResult, stamps: list[tuple[float, str]], *, rel: floa
                             f"{outside:.4f} s; its times cannot be trusted")
     if not problems:
         return result
-    findings = list(result.findings) + [Finding(message=p) for p in problems]
+    findings = list(result.findings) + [Finding(message=p, failed=True) for p in problems]
     return result.model_copy(update={"findings": findings, "status": Status.failed})
 
 
@@ -595,7 +595,8 @@ def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
     for name, th in spec.thresholds.items():
         metric = result.metrics.get(name)
         if metric is None:
-            findings.append(Finding(message=f"threshold on {name} but the probe reported no such metric"))
+            findings.append(Finding(message=f"threshold on {name} but the probe reported no such metric",
+                                    failed=True))
             failed = True
             continue
         bad = (th.max is not None and not metric.value <= th.max) or (th.min is not None and not metric.value >= th.min)
@@ -605,6 +606,7 @@ def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
             findings.append(Finding(
                 message=f"{name} = {metric.value:.3g}{metric.unit} violates {bound}",
                 location=Location(file=", ".join(spec.covers.files[:2]) or None,
-                                  symbol=", ".join(spec.covers.symbols[:2]) or None, param=params or None)))
+                                  symbol=", ".join(spec.covers.symbols[:2]) or None, param=params or None),
+                failed=True))
             failed = True
     return result.model_copy(update={"findings": findings, "status": Status.failed if failed else result.status})

@@ -48,6 +48,7 @@ from feedback.models import (
     ProbeResult,
     Status,
     Verdict,
+    failures,
 )
 
 PERFORMANCE_KINDS = ("microbench", "e2e")
@@ -218,7 +219,7 @@ def evaluate_acceptance(manifest: Manifest, results: list[ProbeResult]) -> list[
 def _why(r: ProbeResult) -> str:
     if r.reason:
         return r.reason
-    return r.findings[0].message if r.findings else r.status.value
+    return failures(r.findings)[0].message if r.findings else r.status.value
 
 
 def _device(r: ProbeResult) -> str:
@@ -359,7 +360,7 @@ def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeR
         if then.status != cur.status:
             regressed.append(f"{then.probe} was {then.status.value}, now {cur.status.value}"
                              + (f" ({cur.reason})" if cur.reason else "")
-                             + (f": {cur.findings[0].message}" if cur.findings else ""))
+                             + (f": {failures(cur.findings)[0].message}" if cur.findings else ""))
         elif any(m.counted for m in then.metrics.values()):
             # counted work is exact: the same tree does the same work, under the interpreter that counted it
             if then.environment.triton != cur.environment.triton:

@@ -150,3 +150,45 @@ def test_a_performance_defect_is_caught_by_counted_work_and_localised_by_its_ker
     # a timed metric's regression is not counted work: the noise rule's business, not a catch here
     timed = mutations.classify(report("regressed", "", "ops/a.py"), m, {"w": "microbench"})
     assert not timed["caught"] and timed["more_work"] == []
+
+
+def test_a_launch_defect_is_localised_by_its_function_and_a_failure_by_its_failed_checks_only():
+    """A counted metric named for a function (``<file>:<function>.launches``) localises by the finding bound to
+    that function; a failing probe localises by its failed checks, not by what it observed on the way."""
+    from feedback.models import (
+        FeedbackReport,
+        Finding,
+        Location,
+        MetricDelta,
+        ProbeComparison,
+        ProbeResult,
+        Status,
+    )
+
+    m = mutations.Mutation(id="p", area="engine", file="e/run.py", old="x", new="y", description="d",
+                           expect="e/run.py")
+    observed = [Finding(message="3 launches", location=Location(file="e/run.py", symbol="Runner.step")),
+                Finding(message="9 launches", location=Location(file="e/other.py", symbol="helper"))]
+
+    def report(status: Status, findings: list, deltas: list) -> FeedbackReport:
+        res = ProbeResult(probe="s", status=status, findings=findings)
+        return FeedbackReport(target="t", candidate="c", results=[res],
+                              baseline_results=[ProbeResult(probe="s", status=Status.passed)],
+                              comparisons=[ProbeComparison(probe="s", kind="trace", baseline=Status.passed,
+                                                           candidate=status, deltas=deltas)])
+
+    def grew(name: str) -> MetricDelta:
+        return MetricDelta(name=name, baseline=3.0, candidate=5.0, change=5 / 3, verdict="regressed",
+                           note="counted: exact, no noise")
+
+    got = mutations.classify(report(Status.passed, observed, [grew("e/run.py:Runner.step.launches")]), m, {})
+    assert got["caught"] and got["localised"]
+    other = mutations.classify(report(Status.passed, observed, [grew("e/other.py:helper.launches")]), m, {})
+    assert other["caught"] and not other["localised"]  # the function that launches more is elsewhere
+    # failing at another file: the observed finding at e/run.py does not localise it
+    failed = [Finding(message="host read", location=Location(file="e/other.py", symbol="helper"), failed=True)]
+    wrong = mutations.classify(report(Status.failed, failed + observed, []), m, {})
+    assert wrong["caught"] and not wrong["localised"]
+    right = mutations.classify(report(Status.failed, [failed[0].model_copy(update={"location": Location(
+        file="e/run.py", symbol="Runner.step")})] + observed, []), m, {})
+    assert right["caught"] and right["localised"]

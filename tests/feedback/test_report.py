@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 from rich.console import Console
 
 from feedback.harness import judge
@@ -55,3 +57,24 @@ def test_a_curve_of_three_sizes_or_more_gets_a_sparkline_and_a_percentile_does_n
     render(report, console)
     assert line in console.export_text()
     assert sparkline([(1, 5.0), (2, 1.0), (4, 5.0)]) == "█▁█" and sparkline([(1, 0.0), (2, -1.0), (3, 0.0)]) == "█▁█"
+
+
+def test_a_failure_is_headlined_and_localised_by_its_failed_check_not_by_what_the_probe_observed(tmp_path):
+    """A probe that reports its observations (a kernel's counts, one finding per function) and fails one
+    check: the verdict's reason and the localisation lines are that check's, at its file."""
+    tree = probe_tree(tmp_path / "t", "ob", "def step(ctx):\n"
+                      "    ctx.finding('12 launches per step', file='ob/norm.py', symbol='rms_norm')\n"
+                      "    ctx.finding('6 launches per step', file='ob/route.py', symbol='route')\n"
+                      "    ctx.check(ctx.params['ok'], 'reads a tensor on the host', file='ob/moe.py', symbol='moe')\n",
+                      "  - {id: ob.step, kind: trace, entry: 'ob.probes:step', params: {ok: true}}\n")
+    base = tmp_path / "base"
+    shutil.copytree(tree, base)
+    manifest = tree / "infra-agent.yaml"
+    manifest.write_text(manifest.read_text().replace("ok: true", "ok: false"))
+    report = judge(tree, baseline_tree=base, use_cache=False)
+    (res,) = report.results
+    assert res.status.value == "fail" and [f.failed for f in res.findings] == [False, False, True]
+    assert report.verdict.name == "incorrect" and "reads a tensor on the host" in report.verdict.reason
+    assert "12 launches" not in report.verdict.reason
+    (lines,) = [c.localisation for c in report.comparisons]
+    assert len(lines) == 1 and "reads a tensor on the host" in lines[0] and "ob/moe.py" in lines[0], lines

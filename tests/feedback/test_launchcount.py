@@ -1,0 +1,134 @@
+"""feedback.launchcount on a real stack (a package written to disk, a real Triton kernel under the interpreter,
+in a subprocess: TRITON_INTERPRET=1 must be set before triton is imported): every aten op that launches, by
+kind and by the function that issued it; launch helpers attributed to their callers; host reads counted
+whether or not they dispatch; everything patched put back."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+LAUNCH = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scale(x, out, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out + o, tl.load(x + o) * 3.0)
+
+
+def scale(x):
+    out = torch.empty_like(x)  # an allocation: no launch
+    _scale[(1,)](x, out, N=x.numel())
+    return out
+'''
+
+MODEL = '''
+import torch
+from mystack import launch
+
+
+def helper(y):
+    return y * 2 + 1
+
+
+def step(x, w):
+    y = (x @ w).view(-1)  # a matmul; the view launches nothing
+    z = helper(y)
+    h = z.to(torch.bfloat16).float()  # two conversions
+    return launch.scale(h)  # a Triton launch through the plumbing: this function's
+
+
+def syncs(x, mask):
+    total = x.sum().item()
+    rows = x.tolist()
+    picked = x[mask]
+    where = x.nonzero()
+    host = x.cpu()
+    arr = x.numpy()
+    wide = x.to(torch.float64)  # a conversion, not a host read
+    return total, rows, picked, where, host, arr, wide
+'''
+
+RUN = '''
+import json, sys
+import torch, triton
+sys.path.insert(0, sys.argv[1])
+from feedback.launchcount import LaunchCount, report
+from feedback.probe import ProbeContext
+from mystack import model
+
+before = (torch.Tensor.tolist, torch.Tensor.cpu, triton.runtime.jit.JITFunction.run)
+x, w = torch.randn(4, 8), torch.randn(8, 8)
+with LaunchCount(sys.argv[1], within=["mystack/"], plumbing=["mystack/launch.py"]) as lc:
+    out = model.step(x, w)
+    model.syncs(x, x > 0)
+after_ops = lc.total
+x @ w  # outside: not counted
+want = ((x.double() @ w.double()).view(-1) * 2 + 1).to(torch.bfloat16).double() * 3
+ctx = ProbeContext("p", {}, sys.argv[1])
+report(ctx, lc, per=2, unit="step", top=2)
+print(json.dumps({
+    "err": float((out.double() - want).abs().max()),
+    "total": lc.total, "unchanged_after": lc.total == after_ops, "kinds": lc.kind_totals(),
+    "sites": {str(s): c for s, c in lc.by_site().items()},
+    "syncs": sorted([name, str(site), n] for name, site, n in lc.syncs()),
+    "restored": [a is b for a, b in zip(before, (torch.Tensor.tolist, torch.Tensor.cpu,
+                                                  triton.runtime.jit.JITFunction.run))],
+    "metrics": {k: [m.value, m.counted, m.better] for k, m in ctx.metrics.items()},
+    "findings": [[f.message, f.location.file, f.location.symbol] for f in ctx.findings],
+}))
+'''
+
+
+def _run(tmp_path: pathlib.Path) -> dict:
+    pkg = tmp_path / "mystack"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch.py").write_text(LAUNCH)
+    (pkg / "model.py").write_text(MODEL)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_launches_by_kind_and_function_host_reads_and_the_report(tmp_path):
+    got = _run(tmp_path)
+    assert got["err"] < 1e-2  # the kernel really ran (bf16 rounding of the round trip)
+    sites = got["sites"]
+    # the matmul, both conversions and the Triton launch are step's (the launch helper is plumbing)
+    assert sites["mystack/model.py:step"] == {"matmul": 1, "conversion": 2, "triton": 1}
+    assert sites["mystack/model.py:helper"] == {"other": 2}  # mul, add
+    # every way of reading a value on the host, dispatched or not; the widening is a conversion
+    assert [s[0] for s in got["syncs"]] == sorted(["_local_scalar_dense", "tolist", "index", "nonzero", "cpu",
+                                                   "numpy"])
+    assert all(s[1] == "mystack/model.py:syncs" and s[2] == 1 for s in got["syncs"])
+    assert sites["mystack/model.py:syncs"] == {"other": 1, "host_sync": 6, "conversion": 1}  # sum; to(float64)
+    assert sites["?:?"] == {"other": 1}  # the mask, made outside the stack: counted, at no function of it
+    # the interpreter's own tensor work inside the launch counted nothing; nothing outside the block either
+    assert got["kinds"] == {"matmul": 1, "conversion": 3, "host_sync": 6, "other": 4, "triton": 1}
+    assert got["total"] == 15 and got["unchanged_after"]
+    assert got["restored"] == [True, True, True]
+
+
+def test_report_gives_counted_metrics_per_step_and_findings_bound_to_each_function(tmp_path):
+    got = _run(tmp_path)
+    m = got["metrics"]
+    assert m["launches"] == [7.5, True, "lower"] and m["host_syncs"] == [3.0, True, "lower"]
+    assert m["conversions"][0] == 1.5 and m["triton_launches"][0] == 0.5 and m["matmuls"][0] == 0.5
+    assert m["aten_ops"][0] == 7.0
+    # top=2: the two sites with most launches (syncs 8, step 4), not helper (2)
+    assert m["mystack/model.py:syncs.launches"] == [4.0, True, "lower"]
+    assert m["mystack/model.py:step.launches"][0] == 2.0 and "mystack/model.py:helper.launches" not in m
+    assert [f[1:] for f in got["findings"]] == [["mystack/model.py", "syncs"], ["mystack/model.py", "step"]]
+    assert "1 conversion" in got["findings"][1][0] and "0.5 triton" in got["findings"][1][0]
