@@ -176,10 +176,14 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
     results = {r.probe: r for r in report.results}
     more_work = [(c.probe, d.name) for c in report.comparisons for d in c.deltas
                  if d.verdict == "regressed" and (d.note or "").startswith("counted")]
+    # the parts (kernels, functions) whose own counts grew, shown beside a judged total
+    parts = [(c.probe, d.name) for c in report.comparisons for d in c.deltas
+             if (d.note or "").startswith("counted: more")]
     ids = {r.probe for r in caught_by}
     worked = sorted({probe for probe, _ in more_work} - ids)
     caught_by = caught_by + [results[p] for p in worked]
-    localised_by += [p for p in worked if _work_localised(results[p], [n for q, n in more_work if q == p], m.expect)]
+    localised_by += [p for p in worked
+                     if _work_localised(results[p], [n for q, n in more_work + parts if q == p], m.expect)]
     ids.update(worked)
     lines = [line for c in report.comparisons if c.probe in ids for line in c.localisation]
     lines += [f"acceptance {c.name}: {c.expression} fails (value {c.value:.4g})" for c in broke]

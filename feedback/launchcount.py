@@ -253,8 +253,9 @@ def report(ctx, lc: LaunchCount, per: float = 1.0, unit: str = "step", prefix: s
            ) -> None:
     """Counted metrics of ``lc`` (all lower-is-better, ``Metric.counted``: judged against the base exactly):
     ``launches``, ``aten_ops``, ``matmuls``, ``conversions``, ``triton_launches``, ``host_syncs`` over
-    everything, and ``<site>.launches`` per site; one finding per site with its counts, bound to the site's
-    file and function, so a regressed ``<site>.launches`` names the function and the finding its file.
+    everything; ``<site>.launches`` per site as a part, shown with its move and not judged (launches moved from
+    one function to another are no regression), and one finding per site with its counts, bound to the site's
+    file and function: where a total regressed, the functions whose own launches grew localise it.
     ``top``: only the sites with most launches get a metric and a finding (the totals cover the rest)."""
     per = float(per)
     if per <= 0:
@@ -267,7 +268,7 @@ def report(ctx, lc: LaunchCount, per: float = 1.0, unit: str = "step", prefix: s
     sites = list(lc.by_site().items())
     for site, counts in sites[:top] if top else sites:
         n = sum(counts.values())
-        ctx.metric(f"{prefix}{site}.launches", n / per, unit=f"/{unit}", better="lower", counted=True)
+        ctx.metric(f"{prefix}{site}.launches", n / per, unit=f"/{unit}", counted=True)  # a part: shown, not judged
         text = ", ".join(f"{counts[k] / per:.4g} {k}" for k in KINDS if counts.get(k))
         where = {"file": site.file, "symbol": site.function} if site != UNKNOWN else {}
         ctx.finding(f"{site}: {n / per:.4g} launches per {unit} ({text})", **where)

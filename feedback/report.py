@@ -135,14 +135,15 @@ def render(report: FeedbackReport, console: Console) -> None:
         r = results[c.probe]
         metrics = []
         # the first four metrics, changes first (a probe that counts work per kernel reports dozens)
-        shown = sorted(c.deltas, key=lambda d: d.verdict not in ("regressed", "improved"))[:4]
+        shown = sorted(c.deltas, key=lambda d: 0 if d.verdict in ("regressed", "improved")
+                       else 1 if d.note.startswith(("counted: more", "counted: less")) else 2)[:4]
         for d in shown:
             if d.baseline is not None and d.candidate is not None and report.baseline:
                 style = {"regressed": "red", "improved": "green"}.get(d.verdict, "")
                 arrow = f"{_fmt(d.baseline)} -> {_fmt(d.candidate, d.unit)}"
                 if d.noise is not None:  # a performance metric: its A/A noise beside the change
                     arrow += f" ({d.verdict}, A/A {d.noise:.0%})"
-                elif d.note.startswith("counted") and d.verdict != "unchanged":
+                elif d.note.startswith("counted") and d.verdict in ("regressed", "improved"):
                     arrow += f" ({d.verdict}, {d.note})"
                 elif d.note:
                     arrow += f" ({d.note})"

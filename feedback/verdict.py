@@ -59,6 +59,11 @@ MIN_NOISE = 0.02  # a change below 2% is never called a change, however tight th
 # shapes; a count moved by less than this is still called the same work (a data-dependent branch, such as
 # which experts a router picks from fresh random inputs, may move it a little)
 COUNT_TOLERANCE = 0.005
+# A counted metric without a direction (``better=None``) is a part of a judged total (one kernel's bytes, one
+# function's launches): work moved between parts (two kernels fused, a helper extracted) is no regression, so a
+# part is shown with its move, not judged; the moves localise a total that regressed
+COUNT_MORE, COUNT_LESS = "counted: more (a part, not judged)", "counted: less (a part, not judged)"
+COUNT_SAME = "counted: the same (a part, not judged)"
 BOOTSTRAP = 2000
 _BAD = (Status.failed, Status.error, Status.timeout)
 _BROKEN = (Status.error, Status.timeout)
@@ -139,14 +144,21 @@ def compare_metric(name: str, base: Metric | None, cand: Metric | None, kind: st
     """The change of one metric from baseline to candidate, under the noise rule."""
     if base is None or cand is None:
         m = base or cand
-        return MetricDelta(name=name, baseline=base.value if base else None, candidate=cand.value if cand else None,
-                           unit=m.unit, verdict="new" if base is None else "gone")
+        delta = MetricDelta(name=name, baseline=base.value if base else None, candidate=cand.value if cand else None,
+                            unit=m.unit, verdict="new" if base is None else "gone")
+        if m.counted and m.better is None and m.value:  # a part's count that appeared or went: shown as moved
+            delta.note = COUNT_MORE if base is None else COUNT_LESS
+        return delta
     change = cand.value / base.value if base.value != 0 and math.isfinite(base.value) else None
     delta = MetricDelta(name=name, baseline=base.value, candidate=cand.value, unit=cand.unit, change=change,
                         samples=min(len(base.samples), len(cand.samples)))
     better = cand.better or base.better
     if (cand.counted or base.counted) and better in ("lower", "higher"):
         return _compare_count(delta, better)
+    if (cand.counted or base.counted) and better is None:  # a part of a judged total: shown, with its move
+        delta.note = (COUNT_SAME if not _count_moved(delta) else COUNT_MORE if cand.value > base.value
+                      else COUNT_LESS)
+        return delta
     if not judged_by_performance(kind) or better not in ("lower", "higher"):
         return delta  # shown, not judged
     noise = noise_floor(base.samples)
@@ -164,12 +176,17 @@ def compare_metric(name: str, base: Metric | None, cand: Metric | None, kind: st
     return delta
 
 
+def _count_moved(delta: MetricDelta) -> bool:
+    """A count moved beyond ``COUNT_TOLERANCE`` (from a base of 0 (no divisions, say): any count at all)."""
+    if delta.change is not None:
+        return abs(delta.change - 1) > COUNT_TOLERANCE
+    return delta.candidate != delta.baseline
+
+
 def _compare_count(delta: MetricDelta, better: str) -> MetricDelta:
     """A counted metric: no repeats and no noise floor, any change beyond ``COUNT_TOLERANCE`` is one."""
     base, cand = delta.baseline, delta.candidate
-    # a base of 0 (no divisions, say): any count at all is a change
-    moved = abs(delta.change - 1) > COUNT_TOLERANCE if delta.change is not None else cand != base
-    if not moved:
+    if not _count_moved(delta):
         delta.verdict, delta.note = "unchanged", "counted: the same work"
         return delta
     worse = cand > base if better == "lower" else cand < base
@@ -190,10 +207,35 @@ def compare(manifest: Manifest, candidate: list[ProbeResult], baseline: list[Pro
             deltas = [compare_metric(n, b.metrics.get(n), r.metrics.get(n), spec.kind) for n in names]
         else:
             deltas = [MetricDelta(name=n, baseline=None, candidate=m.value, unit=m.unit) for n, m in r.metrics.items()]
+        lines = (localise(spec, r) if localise else []) + grown_parts(r, deltas)
         out.append(ProbeComparison(probe=r.probe, kind=spec.kind, baseline=b.status if b else None,
-                                   candidate=r.status, deltas=deltas,
-                                   localisation=localise(spec, r) if localise else []))
+                                   candidate=r.status, deltas=deltas, localisation=lines))
     return out
+
+
+def grown_parts(result: ProbeResult, deltas: list[MetricDelta], most: int = 6) -> list[str]:
+    """Where a judged count regressed: one line per part (a kernel, a function) whose own count grew or appeared,
+    bound to the probe's finding for that part (its kernel, or its ``file:function``) where it has one."""
+    if not any(d.verdict == "regressed" and d.note.startswith("counted") for d in deltas):
+        return []
+    lines = []
+    for d in deltas:
+        if d.note != COUNT_MORE:
+            continue
+        where = next((f.location.render() for f in result.findings if any(
+            f".{n}." in f".{d.name}." for n in part_names(f.location))), "")
+        before = "none" if d.baseline is None else f"{d.baseline:.4g}"
+        lines.append(f"probe `{result.probe}` does more counted work in a part: {d.name} {before} -> "
+                     f"{d.candidate:.4g}{d.unit and ' ' + d.unit}" + (f"; {where}" if where else ""))
+    return lines[:most]
+
+
+def part_names(location) -> list[str]:
+    """The names a counted part's metrics carry for a finding's location: its kernel, its ``file:function``."""
+    names = [location.kernel] if location.kernel else []
+    if location.file and location.symbol:
+        names.append(f"{location.file}:{location.symbol}")
+    return names
 
 
 def evaluate_acceptance(manifest: Manifest, results: list[ProbeResult]) -> list[CriterionResult]:

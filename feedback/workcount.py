@@ -212,13 +212,15 @@ def _element_bytes(ptrs) -> int:
 
 
 def report(ctx, wc: WorkCount, per: float, unit: str, kernel_location=None, prefix: str = "") -> None:
-    """Counted metrics of everything ``wc`` saw, per kernel and divided by ``per`` (tokens, outputs):
-    ``<kernel>.loaded_bytes`` and ``.stored_bytes`` (every byte, scratch buffers too), ``<kernel>.<op>`` (divisions,
-    special functions, dot multiply-accumulates), ``<kernel>.launches``; and over all of them ``launches`` and
-    ``loaded_bytes``.  All lower-is-better and ``counted``: the verdict calls any change of them beyond
-    ``verdict.COUNT_TOLERANCE`` a change, with no noise floor.  One finding per kernel states its counts, bound
-    to ``kernel_location(kernel)`` (a dict of file / kernel / condition) where given.  ``prefix`` goes before
-    every metric's name (several counted calls in one probe)."""
+    """Counted metrics of everything ``wc`` saw, divided by ``per`` (tokens, outputs): over all kernels
+    ``loaded_bytes`` and ``stored_bytes`` (every byte, scratch buffers too), ``<op>`` (divisions, special functions,
+    dot multiply-accumulates) and ``launches``, lower-is-better and ``counted``: the verdict calls any change of
+    them beyond ``verdict.COUNT_TOLERANCE`` a change, with no noise floor.  The same per kernel
+    (``<kernel>.loaded_bytes``, ``<kernel>.<op>``, ...) as parts, shown with their moves and not judged (work moved
+    from one kernel to another, two kernels fused, is no regression); where a total regressed, the kernels whose
+    own counts grew localise it.  One finding per kernel states its counts, bound to ``kernel_location(kernel)``
+    (a dict of file / kernel / condition) where given.  ``prefix`` goes before every metric's name (several
+    counted calls in one probe)."""
     per = float(per)
     if per <= 0:
         raise ValueError(f"per must be positive, got {per}")
@@ -226,11 +228,11 @@ def report(ctx, wc: WorkCount, per: float, unit: str, kernel_location=None, pref
     for kernel in wc.kernels():
         ops = {kind: n for (k, kind), n in sorted(wc.kernel_ops.items()) if k == kernel and n}
         loaded, stored = wc.kernel_loaded[kernel] / per, wc.kernel_stored[kernel] / per
-        ctx.metric(f"{prefix}{kernel}.loaded_bytes", loaded, unit=f"B/{unit}", better="lower", counted=True)
-        ctx.metric(f"{prefix}{kernel}.stored_bytes", stored, unit=f"B/{unit}", better="lower", counted=True)
+        ctx.metric(f"{prefix}{kernel}.loaded_bytes", loaded, unit=f"B/{unit}", counted=True)
+        ctx.metric(f"{prefix}{kernel}.stored_bytes", stored, unit=f"B/{unit}", counted=True)
         for kind, n in ops.items():
-            ctx.metric(f"{prefix}{kernel}.{kind}", n / per, unit=f"/{unit}", better="lower", counted=True)
-        ctx.metric(f"{prefix}{kernel}.launches", launches[kernel], better="lower", counted=True)
+            ctx.metric(f"{prefix}{kernel}.{kind}", n / per, unit=f"/{unit}", counted=True)
+        ctx.metric(f"{prefix}{kernel}.launches", launches[kernel], counted=True)
         grids = sorted({launch.grid for launch in wc.launches if launch.kernel == kernel})
         text = ", ".join([f"{loaded:.4g} B loaded", f"{stored:.4g} B stored"]
                          + [f"{n / per:.4g} {kind}" for kind, n in ops.items()])
@@ -239,3 +241,11 @@ def report(ctx, wc: WorkCount, per: float, unit: str, kernel_location=None, pref
     ctx.metric(f"{prefix}launches", len(wc.launches), better="lower", counted=True)
     ctx.metric(f"{prefix}loaded_bytes", sum(wc.kernel_loaded.values()) / per, unit=f"B/{unit}", better="lower",
                counted=True)
+    ctx.metric(f"{prefix}stored_bytes", sum(wc.kernel_stored.values()) / per, unit=f"B/{unit}", better="lower",
+               counted=True)
+    totals: Counter[str] = Counter()
+    for (_, kind), n in wc.kernel_ops.items():
+        totals[kind] += n
+    for kind, n in sorted(totals.items()):
+        if n:
+            ctx.metric(f"{prefix}{kind}", n / per, unit=f"/{unit}", better="lower", counted=True)

@@ -11,6 +11,15 @@ import sys
 
 import pytest
 
+from feedback.models import (
+    FeedbackReport,
+    Finding,
+    Location,
+    MetricDelta,
+    ProbeComparison,
+    ProbeResult,
+    Status,
+)
 from feedback.targets import materialize_bundled
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -119,16 +128,6 @@ def test_end_to_end_on_two_cheap_defects(tmp_path):
 def test_a_performance_defect_is_caught_by_counted_work_and_localised_by_its_kernel():
     """No probe fails on a performance defect: more counted work than the clean tree catches it, and the
     probe's finding for the kernel the regressed metric names localises it."""
-    from feedback.models import (
-        FeedbackReport,
-        Finding,
-        Location,
-        MetricDelta,
-        ProbeComparison,
-        ProbeResult,
-        Status,
-    )
-
     m = mutations.Mutation(id="p", area="kernel", file="ops/a.py", old="x", new="y", description="d", expect="ops/a.py")
 
     def report(verdict: str, note: str, kernel_file: str) -> FeedbackReport:
@@ -155,16 +154,6 @@ def test_a_performance_defect_is_caught_by_counted_work_and_localised_by_its_ker
 def test_a_launch_defect_is_localised_by_its_function_and_a_failure_by_its_failed_checks_only():
     """A counted metric named for a function (``<file>:<function>.launches``) localises by the finding bound to
     that function; a failing probe localises by its failed checks, not by what it observed on the way."""
-    from feedback.models import (
-        FeedbackReport,
-        Finding,
-        Location,
-        MetricDelta,
-        ProbeComparison,
-        ProbeResult,
-        Status,
-    )
-
     m = mutations.Mutation(id="p", area="engine", file="e/run.py", old="x", new="y", description="d",
                            expect="e/run.py")
     observed = [Finding(message="3 launches", location=Location(file="e/run.py", symbol="Runner.step")),

@@ -128,7 +128,7 @@ def test_report_gives_counted_metrics_per_step_and_findings_bound_to_each_functi
     assert m["conversions"][0] == 1.5 and m["triton_launches"][0] == 0.5 and m["matmuls"][0] == 0.5
     assert m["aten_ops"][0] == 7.0
     # top=2: the two sites with most launches (syncs 8, step 4), not helper (2)
-    assert m["mystack/model.py:syncs.launches"] == [4.0, True, "lower"]
+    assert m["mystack/model.py:syncs.launches"] == [4.0, True, None]  # a part: shown, not judged
     assert m["mystack/model.py:step.launches"][0] == 2.0 and "mystack/model.py:helper.launches" not in m
     assert [f[1:] for f in got["findings"]] == [["mystack/model.py", "syncs"], ["mystack/model.py", "step"]]
     assert "1 conversion" in got["findings"][1][0] and "0.5 triton" in got["findings"][1][0]

@@ -178,6 +178,37 @@ def test_more_counted_work_makes_the_verdict_worse_and_a_fix_still_wins():
     assert verdict(report([result("c", **{"k.loaded_bytes": counted(2000.0)})], failing)).name == "better"
 
 
+def part(value: float) -> Metric:
+    return Metric(value=value, unit="B/token", counted=True)  # no direction: a part of a judged total
+
+
+def test_work_moved_between_parts_is_no_regression_and_a_grown_total_is_localised_by_its_parts():
+    """Two kernels fused (one's bytes move to the other, the total falls) is better, not worse; a total that
+    grew is worse, and the part whose own count grew (or appeared) names the kernel and its file."""
+    from feedback.models import Location
+
+    base = [result("c", **{"loaded_bytes": counted(1000.0), "k1.loaded_bytes": part(600.0),
+                           "k2.loaded_bytes": part(400.0)})]
+    fused = result("c", **{"loaded_bytes": counted(800.0), "k1.loaded_bytes": part(800.0)})
+    r = report([fused], base)
+    v = verdict(r)
+    assert v.name == "better" and v.regressed == [], v
+    moves = {d.name: (d.verdict, d.note) for c in r.comparisons for d in c.deltas}
+    assert moves["k1.loaded_bytes"][1].startswith("counted: more") and moves["k1.loaded_bytes"][0] == "n/a"
+    assert moves["k2.loaded_bytes"] == ("gone", moves["k2.loaded_bytes"][1])
+    assert moves["k2.loaded_bytes"][1].startswith("counted: less")
+    assert r.comparisons[0].localisation == []  # nothing regressed: nothing to localise
+
+    grown = result("c", **{"loaded_bytes": counted(1300.0), "k1.loaded_bytes": part(600.0),
+                           "k2.loaded_bytes": part(400.0), "k3.loaded_bytes": part(300.0)})
+    grown.findings = [Finding(message="per token: 300 B", location=Location(file="ops/k3.py", kernel="k3")),
+                      Finding(message="per token: 600 B", location=Location(file="ops/k1.py", kernel="k1"))]
+    r = report([grown], base)
+    assert verdict(r).name == "worse"
+    (line,) = r.comparisons[0].localisation
+    assert "k3.loaded_bytes none -> 300" in line and "ops/k3.py" in line, line
+
+
 def test_replay_holds_counted_work_to_the_record_under_the_same_triton():
     def at(r: ProbeResult, triton: str) -> ProbeResult:
         return r.model_copy(update={"environment": r.environment.model_copy(update={"triton": triton})})

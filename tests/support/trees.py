@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 
 def probe_tree(root: pathlib.Path, package: str, source: str, probes: str) -> pathlib.Path:
@@ -13,3 +14,13 @@ def probe_tree(root: pathlib.Path, package: str, source: str, probes: str) -> pa
     (root / package / "probes.py").write_text(source)
     (root / "infra-agent.yaml").write_text(f"schema_version: 1\nname: {package}\npython_path: ['.']\nprobes:\n{probes}")
     return root
+
+
+def mutant(clean: pathlib.Path, at: pathlib.Path, file: str, edit: tuple[str, str]) -> pathlib.Path:
+    """A copy of the tree ``clean`` at ``at`` with one edit made in ``file`` (its old text there exactly once)."""
+    shutil.copytree(clean, at)
+    path = at / file
+    source = path.read_text()
+    assert source.count(edit[0]) == 1, f"{edit[0]!r} is in {file} {source.count(edit[0])} times"
+    path.write_text(source.replace(*edit))
+    return at
