@@ -13,6 +13,8 @@ against side by side on the H200, bench/RESULTS.md).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from fla_tree import from_tree
 
@@ -103,9 +105,26 @@ def decode_work(ctx: ProbeContext) -> None:
 DECODE_FILE = "fla/ops/kda/fused_recurrent.py"
 
 
-def _checked_step(ctx: ProbeContext, B: int, gen: torch.Generator) -> float:
+@probe(kind="trace")
+def decode_launches(ctx: ProbeContext) -> None:
+    """What one pooled decode call of fla launches from the host, counted on any machine
+    (``feedback.launchcount``): aten ops (copies, conversions, allocations that fill), Triton launches and host
+    syncs, per fla function.  The totals are counted metrics, judged against the base exactly, so a wrapper
+    change that adds a copy or a sync before the kernel shows on a CPU, at its function; the counted step is
+    checked against float64 as ``decode_correctness`` checks it."""
+    from feedback.correctness import fresh_generator
+    from feedback.launchcount import LaunchCount, report
+
+    B = ctx.params.get("batch", 3)
+    lc = LaunchCount(ctx.tree, within=["fla/"])
+    err = _checked_step(ctx, B, fresh_generator(device=ctx.device), counter=lc)
+    ctx.metric("max_rel_err", err, better="lower")
+    report(ctx, lc, per=1, unit="step")
+
+
+def _checked_step(ctx: ProbeContext, B: int, gen: torch.Generator, counter=None) -> float:
     """One pooled decode step of ``B`` sequences against float64 (the state and the output, the null slot
-    untouched); its relative error."""
+    untouched); its relative error.  ``counter``: a context the call alone runs in (a launch count)."""
     fused_recurrent_kda_fwd = from_tree("fla.ops.kda.fused_recurrent", ctx.tree).fused_recurrent_kda_fwd
     from target_stack.ops.kda.testing import make_inputs
 
@@ -119,8 +138,9 @@ def _checked_step(ctx: ProbeContext, B: int, gen: torch.Generator) -> float:
     before = pool[1:].clone()
     slots = torch.arange(1, B + 1, dtype=torch.int32, device=ctx.device)
     out = torch.full_like(v, float("nan"))
-    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
-                                   ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
+    with counter if counter is not None else contextlib.nullcontext():
+        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                       ssm_state_indices=slots, use_qk_l2norm_in_kernel=True, out=out)
     state_err, out_err = decode_errors((q, k, v, g, beta, before), pool[1:], o)
     err = max(state_err, out_err / (1.0 if dtype == torch.float32 else 30.0))  # a bf16 output's rounding
     where = dict(file=DECODE_FILE, symbol="fused_recurrent_kda_fwd",

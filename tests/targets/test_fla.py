@@ -150,8 +150,8 @@ def test_a_decode_change_reruns_the_decode_probes_and_not_the_prefill_benchmark(
     from feedback.select import select
 
     manifest = load_manifest(fla_052, MANIFEST)
-    decode = {"fla.kda.decode.correctness", "fla.kda.decode.work", "fla.kda.decode.b1", "fla.kda.decode.b64",
-              "fla.kda.decode.b256"}
+    decode = {"fla.kda.decode.correctness", "fla.kda.decode.work", "fla.kda.decode.launches", "fla.kda.decode.b1",
+              "fla.kda.decode.b64", "fla.kda.decode.b256"}
     assert {p.id for p in select(manifest, ["fla/ops/kda/fused_recurrent.py"])} == decode
     chunked = [p.relative_to(fla_052).as_posix() for p in (fla_052 / "fla/ops/kda").glob("chunk*.py")]
     assert chunked
@@ -165,3 +165,44 @@ def test_a_decode_change_reruns_the_decode_probes_and_not_the_prefill_benchmark(
         path = mod.replace(".", "/")
         file = f"{path}.py" if (fla_052 / f"{path}.py").exists() else f"{path}/__init__.py"
         assert probe.covers.matches(file), f"the decode probes do not cover {file}, which the decode kernel imports"
+
+
+def test_fla_decode_launches_are_counted_per_fla_function_and_a_wrapper_copy_is_judged_worse(fla_052, tmp_path):
+    """feedback.launchcount on another repository: fla's pooled decode call, counted per fla function; a
+    change that adds a copy of the state before the kernel keeps every result right and is judged worse,
+    at fla's own function."""
+    import shutil
+
+    def feedback(tree: pathlib.Path, *extra: str) -> dict:
+        out = _cli("feedback", "--target", str(tree), "--manifest", str(MANIFEST), "--probe",
+                   "fla.kda.decode.launches", "--json", "--no-cache", *extra, cwd=tmp_path)
+        return json.loads(out.stdout)
+
+    (res,) = feedback(fla_052)["results"]
+    assert res["status"] == "pass", res
+    m = {n: v["value"] for n, v in res["metrics"].items()}
+    assert m["triton_launches"] >= 1 and m["host_syncs"] == 0 and m["max_rel_err"] < 1e-5
+    sites = [f["location"] for f in res["findings"]]
+    assert any(s["file"] == "fla/ops/kda/fused_recurrent.py" for s in sites), sites
+    assert all(s["file"] is None or s["file"].startswith("fla/") for s in sites), sites
+
+    changed = tmp_path / "changed"
+    shutil.copytree(fla_052, changed)
+    path = changed / "fla/ops/kda/fused_recurrent.py"
+    src = path.read_text()
+    head = "def fused_recurrent_kda_fwd(\n"
+    assert src.count(head) == 1
+    body = src.index(":\n", src.index(")", src.index(head))) + 2  # the first line of its body
+    # a defensive copy of the queries before the kernel: the same results, two more launches
+    path.write_text(src[:body] + "    q = q.clone()\n" + src[body:])
+    from feedback.harness import judge
+    from feedback.manifest import load_manifest
+
+    report = judge(changed, manifest=load_manifest(changed, MANIFEST), baseline_tree=fla_052,
+                   probe_ids=["fla.kda.decode.launches"], use_cache=False)
+    (res,) = report.results
+    assert res.status.value == "pass", (res.reason, [f.message for f in res.findings])
+    assert report.verdict.name == "worse", report.verdict.reason
+    assert "fla.kda.decode.launches.launches" in {r.split(" ")[0] for r in report.verdict.regressed}
+    lines = [line for c in report.comparisons for line in c.localisation]
+    assert lines and all("fla/ops/kda/fused_recurrent.py:fused_recurrent_kda_fwd" in line for line in lines), lines
