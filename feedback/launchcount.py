@@ -28,6 +28,7 @@ import dataclasses
 import os
 import pathlib
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterable
 
@@ -98,7 +99,8 @@ class LaunchCount:
     def __init__(self, root: str | os.PathLike, within: Iterable[str] = ("",), plumbing: Iterable[str] = (),
                  launchers: Iterable[tuple[object, str]] = ()):
         self.root = pathlib.Path(root).resolve()
-        self._within = tuple(str(self.root / w) if w else str(self.root) + os.sep for w in within)
+        # a directory matches the files below it only (``mystack/`` is not ``mystack_extra/``)
+        self._within = tuple(str(self.root / w) + (os.sep if (self.root / w).is_dir() else "") for w in within)
         self._plumbing = frozenset([str(self.root / p) for p in plumbing] + [str(pathlib.Path(__file__).resolve())])
         self._launchers = list(launchers)
         self.ops: Counter[tuple[str, str, Site]] = Counter()  # (aten op, kind, site)
@@ -175,6 +177,9 @@ class LaunchCount:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         lc = self
+        # the dispatch mode is the entering thread's; the launch and tensor-method wrappers are global, so they
+        # count that thread only (a server's other threads are not the code under count)
+        thread = threading.get_ident()
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -191,9 +196,12 @@ class LaunchCount:
 
         def launcher(original):
             def run(obj, *a, **kw):
-                if not lc._paused:
+                mine = threading.get_ident() == thread
+                if mine and not lc._paused:
                     kernel = getattr(getattr(obj, "fn", obj), "__name__", type(obj).__name__)
                     lc.triton[kernel, lc.site()] += 1
+                if not mine:
+                    return original(obj, *a, **kw)
                 lc._paused += 1  # what a launch does inside (binding, the interpreter's tensors) is the launch
                 try:
                     return original(obj, *a, **kw)
@@ -203,6 +211,8 @@ class LaunchCount:
 
         def host_read(method, original):
             def read(t, *a, **kw):
+                if threading.get_ident() != thread:
+                    return original(t, *a, **kw)
                 if not lc._paused:
                     lc.ops[method, "host_sync", lc.site()] += 1
                 lc._paused += 1  # its own dispatches (a copy to the host) are the sync

@@ -59,7 +59,7 @@ def syncs(x, mask):
 '''
 
 RUN = '''
-import json, sys
+import json, sys, threading
 import torch, triton
 sys.path.insert(0, sys.argv[1])
 from feedback.launchcount import LaunchCount, report
@@ -71,6 +71,10 @@ x, w = torch.randn(4, 8), torch.randn(8, 8)
 with LaunchCount(sys.argv[1], within=["mystack/"], plumbing=["mystack/launch.py"]) as lc:
     out = model.step(x, w)
     model.syncs(x, x > 0)
+    # another thread's work meanwhile (a server's transfer thread): not the code under count
+    other = threading.Thread(target=lambda: (model.syncs(x, x > 0), model.step(x, w)))
+    other.start()
+    other.join()
 after_ops = lc.total
 x @ w  # outside: not counted
 want = ((x.double() @ w.double()).view(-1) * 2 + 1).to(torch.bfloat16).double() * 3
