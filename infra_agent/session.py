@@ -157,6 +157,17 @@ def scenario_outcome(agent: Agent, scenario: Scenario) -> dict:
     shown = winner[1] if winner else held[-1][1] if held else none  # the candidate that holds, else the last
     solved = ("on the branch" if holds(branch) else
               f"held for review (item {winner[0].review_id})" if winner else "no")
+    if solved == "no" and held:
+        # no one held candidate meets every criterion, but each criterion holds on the branch or on one of them
+        # (a fix held for review is not the base of the next attempt, so two held fixes each do part): the
+        # items together, each judged on its own and reviewed apart
+        parts = [None if b is not None and b.holds else
+                 next(((a, res[i]) for a, res in held if res[i] is not None and res[i].holds), False)
+                 for i, b in enumerate(branch)]
+        if all(part is not False for part in parts):
+            items = sorted({part[0].review_id for part in parts if part})
+            shown = [part[1] if part else last for part, last in zip(parts, shown, strict=True)]
+            solved = f"held for review (items {', '.join(map(str, items))} together, each fixing part)"
     return {"name": scenario.name, "risk": scenario.risk, "solved": solved,
             "acceptance": [{"expr": expr, "branch": b.value if b else None, "branch_holds": b.holds if b else None,
                             "held": h.value if h else None, "held_holds": h.holds if h else None}

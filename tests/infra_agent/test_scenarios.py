@@ -84,3 +84,35 @@ def test_the_scenarios_command_lists_defects_files_acceptance_and_risk():
     bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "run", "--scenario", "nope"], capture_output=True,
                          text=True, timeout=120, env=env_without_keys())
     assert bad.returncode == 2 and "unknown scenario 'nope'" in bad.stderr
+
+
+def test_a_scenario_met_by_two_held_fixes_together_is_held_for_review_naming_both():
+    """A fix held for review is not the next attempt's base: two held fixes may each meet part of the acceptance.
+    The outcome names both items; one criterion met by neither is still not solved."""
+    from types import SimpleNamespace
+
+    from feedback.manifest import parse_manifest
+    from feedback.models import FeedbackReport, Metric, ProbeResult, Status
+    from infra_agent.scenarios import Scenario
+    from infra_agent.session import scenario_outcome
+
+    manifest = parse_manifest("schema_version: 1\nname: t\nprobes:\n  - {id: w, kind: trace, entry: 'm:f'}\n")
+    sc = Scenario(name="two", defect="d", files=["f.py"], goal="g", risk="numerics",
+                  acceptance=["w.reads <= 4", "w.divisions <= 0"])
+
+    def rep(reads: float, divisions: float) -> FeedbackReport:
+        metrics = {"reads": Metric(value=reads), "divisions": Metric(value=divisions)}
+        return FeedbackReport(target="t", candidate="c",
+                              results=[ProbeResult(probe="w", status=Status.passed, metrics=metrics)])
+
+    def agent(*held: tuple[int, FeedbackReport]):
+        attempts = [SimpleNamespace(decision="held", report=r, review_id=i) for i, r in held]
+        return SimpleNamespace(ws=SimpleNamespace(manifest=lambda: manifest), feedback=rep(32, 192), attempts=attempts)
+
+    together = scenario_outcome(agent((3, rep(2, 192)), (4, rep(32, 0))), sc)
+    assert together["solved"] == "held for review (items 3, 4 together, each fixing part)", together
+    assert [c["held"] for c in together["acceptance"]] == [2, 0] and together["review_items"] == [3, 4]
+    one = scenario_outcome(agent((3, rep(2, 0))), sc)
+    assert one["solved"] == "held for review (item 3)"
+    part = scenario_outcome(agent((3, rep(2, 192))), sc)
+    assert part["solved"] == "no"
