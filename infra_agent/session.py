@@ -157,6 +157,7 @@ def scenario_outcome(agent: Agent, scenario: Scenario) -> dict:
     shown = winner[1] if winner else held[-1][1] if held else none  # the candidate that holds, else the last
     solved = ("on the branch" if holds(branch) else
               f"held for review (item {winner[0].review_id})" if winner else "no")
+    approve = [winner[0].review_id] if winner else [held[-1][0].review_id] if held else []
     if solved == "no" and held:
         # no one held candidate meets every criterion, but each criterion holds on the branch or on one of them
         # (a fix held for review is not the base of the next attempt, so two held fixes each do part): the
@@ -168,11 +169,12 @@ def scenario_outcome(agent: Agent, scenario: Scenario) -> dict:
             items = sorted({part[0].review_id for part in parts if part})
             shown = [part[1] if part else last for part, last in zip(parts, shown, strict=True)]
             solved = f"held for review (items {', '.join(map(str, items))} together, each fixing part)"
+            approve = items
     return {"name": scenario.name, "risk": scenario.risk, "solved": solved,
             "acceptance": [{"expr": expr, "branch": b.value if b else None, "branch_holds": b.holds if b else None,
                             "held": h.value if h else None, "held_holds": h.holds if h else None}
                            for expr, b, h in zip(scenario.acceptance, branch, shown, strict=True)],
-            "review_items": [a.review_id for a, _ in held]}
+            "review_items": [a.review_id for a, _ in held], "approve": approve}
 
 
 def summarise(agent: Agent, scenario: Scenario | None = None) -> dict:
@@ -243,8 +245,10 @@ def render_summary(s: dict, console: Console) -> None:
         for c in sc["acceptance"]:
             fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
             console.print(f"  {c['expr']}: branch {fmt(c['branch'])}, held {fmt(c['held'])}", highlight=False)
-        if sc["review_items"]:
-            console.print(f"  approve with: infra-agent review approve {sc['review_items'][-1]}", highlight=False)
+        items = sc.get("approve") or sc["review_items"][-1:]  # (an older summary has no "approve")
+        if items:
+            console.print("  approve with: " + "; ".join(f"infra-agent review approve {i}" for i in items),
+                          highlight=False)
     console.print(f"[dim]trajectory {s['trajectory']}[/]")
 
 

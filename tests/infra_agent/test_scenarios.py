@@ -111,8 +111,8 @@ def test_a_scenario_met_by_two_held_fixes_together_is_held_for_review_naming_bot
 
     together = scenario_outcome(agent((3, rep(2, 192)), (4, rep(32, 0))), sc)
     assert together["solved"] == "held for review (items 3, 4 together, each fixing part)", together
-    assert [c["held"] for c in together["acceptance"]] == [2, 0] and together["review_items"] == [3, 4]
+    assert [c["held"] for c in together["acceptance"]] == [2, 0] and together["approve"] == [3, 4]
     one = scenario_outcome(agent((3, rep(2, 0))), sc)
-    assert one["solved"] == "held for review (item 3)"
+    assert one["solved"] == "held for review (item 3)" and one["approve"] == [3]
     part = scenario_outcome(agent((3, rep(2, 192))), sc)
     assert part["solved"] == "no"
