@@ -408,7 +408,8 @@ def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeR
             if then.environment.triton != cur.environment.triton:
                 line += f" (counted work recorded under Triton {then.environment.triton}: not compared)"
             else:
-                worse = [f"{d.name} {_change(d)}" for n, m in then.metrics.items() if m.counted
+                # the judged totals (a part, one kernel's or function's count, may move or go: no regression)
+                worse = [f"{d.name} {_change(d)}" for n, m in then.metrics.items() if m.counted and m.better
                          and (d := compare_metric(n, m, cur.metrics.get(n), kind)).verdict in ("regressed", "gone")]
                 if worse:
                     regressed.append(f"{then.probe}: more counted work than recorded: " + ", ".join(worse))

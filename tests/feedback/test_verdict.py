@@ -222,6 +222,12 @@ def test_replay_holds_counted_work_to_the_record_under_the_same_triton():
     assert gone and "k.loaded_bytes 1e+03 -> none" in gone[0]
     other, details = replay_regressions(then, [at(result("c", **{"k.loaded_bytes": counted(1300.0)}), "3.9.0")], [])
     assert other == [] and "recorded under Triton 3.6.0: not compared" in details[0]
+    # a part (one kernel's count) moved or gone with the total held: as recorded
+    with_parts = [("trace", at(result("c", **{"loaded_bytes": counted(1000.0), "k1.loaded_bytes": part(1000.0)}),
+                               "3.6.0"))]
+    moved, _ = replay_regressions(with_parts, [at(result("c", **{"loaded_bytes": counted(1000.0),
+                                                                 "k2.loaded_bytes": part(1000.0)}), "3.6.0")], [])
+    assert moved == []
 
 
 def test_combine_runs_keeps_samples_and_stops_at_a_broken_run():
