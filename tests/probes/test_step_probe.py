@@ -30,7 +30,9 @@ def test_same_tree_same_launches_and_a_round_trip_is_worse_by_function(tmp_path)
     assert again.verdict.name == "unchanged", again.verdict.reason
     counted = {d.name: d for c in again.comparisons for d in c.deltas if d.note.startswith("counted")}
     assert counted["launches"].candidate > 20 and counted["host_syncs"].candidate == 0
-    assert all(d.verdict == "unchanged" for d in counted.values())
+    # the judged totals unchanged, every function's launches (a part) the same
+    assert all(d.verdict == "unchanged" or d.note.startswith("counted: the same") for d in counted.values())
+    assert sum(d.note.startswith("counted: the same") for d in counted.values()) > 5
     assert res.metrics["max_rel_err"].value < 1e-4
 
     mutant = make_mutant(clean, tmp_path / "round-trip", RUNNER, ROUND_TRIP)
