@@ -209,11 +209,10 @@ def classify(report, m: Mutation, kinds: dict[str, str]) -> dict:
 def _work_localised(result, grown: list[str], expect: str) -> bool:
     """Whether one of the kernels or functions whose counted metrics grew (``grown``: ``...<kernel>.<count>``,
     or ``<file>:<function>.<count>``) is bound, by the probe's finding for it, to the file ``expect``."""
-    def names(f) -> list[str]:
-        loc = f.location
-        return [n for n in (loc.kernel, f"{loc.file}:{loc.symbol}" if loc.file and loc.symbol else None) if n]
+    from feedback.verdict import part_names
 
-    return any(expect in (f.location.file or "") and any(f".{n}." in f".{name}." for n in names(f) for name in grown)
+    return any(expect in (f.location.file or "")
+               and any(f".{n}." in f".{name}." for n in part_names(f.location) for name in grown)
                for f in result.findings)
 
 
