@@ -149,9 +149,11 @@ def _run(root: pathlib.Path) -> ProbeResult:
 def test_an_honest_op_is_timed_rechecked_and_witnessed(tmp_path):
     r = _run(_target(tmp_path / "t", HONEST))
     assert r.status == Status.passed, (r.reason, [f.message for f in r.findings], r.stderr[-2000:])
-    assert r.metrics["op_us"].value > 0 and r.metrics["op_wall_us"].value >= r.metrics["op_us"].value * 0.5
+    assert r.metrics["op_us"].value > 0 and r.metrics["op_wall_us"].value > 0
     assert r.metrics["op_rel_err_after_timing"].value < 1e-5
-    assert r.spans["op"] > 0  # the loop's length by the probe's clock, held against the witness
+    # the loop's length by the probe's clock, held against the witness: it holds all 12 timed calls, at
+    # least 6 of which took the median or longer (the warm-up walls are other calls, so no ratio to them)
+    assert r.spans["op"] >= 6 * r.metrics["op_us"].value * 1e-6
 
 
 @pytest.mark.parametrize("name", list(CHEATS))
