@@ -201,6 +201,39 @@ def test_the_prefill_s_tiles_and_stages_keep_the_rules_the_gpus_taught(K, V):
     assert chunk_tiles(128, 128, True) == (128, 32) == chunk_tiles(128, 128, False)
 
 
+def test_the_state_kernel_narrows_its_value_tile_while_sms_would_idle(monkeypatch):
+    """A few long sequences give the sequential state kernel few programs: its value tile halves (down to
+    16) until they cover the SMs; a batch that already covers them keeps the tile, and so does the
+    interpreter and a value narrower than 64."""
+    import types
+
+    from target_stack.ops.kda import chunk as chunk_module
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(chunk_module, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    tile = chunk_module.state_tile
+    assert tile(32, 128, 16, cuda) == 16  # one sequence, 16 heads: 64 programs at 32, 128 at 16
+    assert tile(32, 128, 64, cuda) == 32  # four sequences: 256 programs already
+    assert tile(64, 128, 1, cuda) == 16 and tile(64, 128, 40, cuda) == 32 and tile(64, 128, 80, cuda) == 64
+    assert tile(64, 32, 1, cuda) == 64 and tile(32, 128, 1, torch.device("cpu")) == 32
+
+
+@pytest.mark.parametrize("lens", [[200], [70, 130]])
+def test_the_prefill_is_exact_where_the_state_tile_narrows(lens, gen):
+    """Wide values at a few sequences: on a GPU the state kernel takes its narrowest value tile there."""
+    H, K, V = 2, 64, 128
+    T = sum(lens)
+    x = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    h0 = torch.randn(len(lens), H, K, V, generator=gen).to(DEVICE)
+    o, s = chunk_kda(*x, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for n in range(len(lens)):
+        a, b = cu[n].item(), cu[n + 1].item()
+        ro, rs = ref64(*(t[:, a:b] for t in x), h0=h0[n : n + 1])
+        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
+
+
 # --- fused recurrent -------------------------------------------------------------------------
 
 

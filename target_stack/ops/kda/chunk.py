@@ -45,8 +45,12 @@ FUSE_OUTPUT = False
 #: launch shapes: heads and warps of a diagonal-token program; warps and key-slice width of a solve program.
 #: On an H200 at 4096 tokens (H=16, K=V=128, bf16; bench/RESULTS.md, 2026-12-04): the token kernel took 59 us
 #: at 2 heads and 1 warp (the sweep's 30 shapes: 404-672 us for the whole prefill); the solve took 4 warps
-#: and 64-wide slices (338 us prefill) before 128-wide (401), 8 warps (434) or a register cap (361-410)
-LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64}
+#: and 64-wide slices (338 us prefill) before 128-wide (401), 8 warps (434) or a register cap (361-410).
+#: Warps of the state program, and value tile and warps of an output program for 16-bit inputs (fp32 inputs
+#: take min(V, 64) and 4 warps): on an H100 (2026-12-06b) 4 output warps took the prefill at 4096 / 32768
+#: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4
+LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64,
+          "state_warps": 4, "output_bv": 64, "output_warps": 4}
 
 CHUNK_SIZE = 64
 
@@ -391,6 +395,23 @@ def solve_tiles(BK: int, BV: int, lowp: bool) -> tuple[int, int]:
     return BKS, max(BV, 64) if lowp else BV
 
 
+def state_tile(BV: int, V: int, rows: int, device: torch.device) -> int:
+    """The state kernel's value tile: ``chunk_tiles``' BV, halved down to 16 while the launch's ``rows``
+    (sequence, head) pairs times its value tiles would leave SMs without a program.  The recurrence walks
+    the chunks one after another, so at a few long sequences its programs are all the parallelism the
+    prefill's longest kernel has; narrower tiles double them at the cost of reading each chunk's w and kd
+    twice as often (from L2).  At one sequence of 4096 / 32768 tokens, H=16, K=V=128, bf16 on an H100:
+    BV=16 (128 programs) took the prefill to 335.8 / 2480.7 us from 344.7 / 2549.7 us at BV=32 (64
+    programs); BV=64 was slower (380.7 / 2809.4 us; bench/RESULTS.md, 2026-12-06b).  Values narrower than
+    64 keep their tile (``chunk_tiles`` widens some of them for a Triton fault)."""
+    if interpreting() or device.type != "cuda" or V < 64:
+        return BV
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    while BV > 16 and rows * triton.cdiv(V, BV) < sms:
+        BV //= 2
+    return BV
+
+
 def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024,
                  fused: bool = False) -> int:
     """Pipeline stages of the state kernel: 3 for 16-bit tiles, 2 for fp32, fewer where the stages' w, kd
@@ -527,6 +548,7 @@ def chunk_kda_fwd(
     o = alloc(B, T, H, V, dtype=v.dtype, device=v.device)
     ht = alloc(n_seq, H, K, V, **f32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
+    BV = state_tile(BV, V, n_seq * H, q.device)
     NV = triton.cdiv(V, BV)
     # pipelined: the next chunks' w, u and kd loads in flight during this chunk's products.  On an H200 at
     # 4096 tokens (H=16, K=V=128, bf16) the kernel took 167 us as a while loop, 134 / 109 / 111 us over
@@ -536,14 +558,15 @@ def chunk_kda_fwd(
         kd, glast, w, u, v_new, h, h0, ht, qg, Pqk, o, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None, FUSE_OUTPUT=fuse,
-        LOWP=lowp, DOT_PRECISION=precision, num_warps=4,
+        LOWP=lowp, DOT_PRECISION=precision, num_warps=LAUNCH["state_warps"],
         num_stages=state_stages(BT, BK, BV, mid["dtype"], fused=fuse),
     )
     if fuse:
         return o, ht
-    BVO = 64 if lowp else min(block_size(V), 64)  # the output kernel is parallel over chunks: wider V tiles pay
+    BVO = LAUNCH["output_bv"] if lowp else min(block_size(V), 64)  # parallel over chunks: wider V tiles pay
     _kda_output_kernel[(triton.cdiv(V, BVO), NT, H)](
         qg, Pqk, v_new, h, o, cu_seqlens, chunk_seq, chunk_pos,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, LOWP=lowp, DOT_PRECISION=precision, num_warps=8 if lowp else 4,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BVO, LOWP=lowp, DOT_PRECISION=precision,
+        num_warps=LAUNCH["output_warps"] if lowp else 4,
     )
     return o, ht
