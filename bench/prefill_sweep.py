@@ -20,6 +20,7 @@ import json
 import pathlib
 import statistics
 import sys
+import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,7 +37,7 @@ VARIANTS = {
     "state stages 4": {"state_stages": 4},
     "output w8": {"output_warps": 8},
     "output BV128": {"output_bv": 128},
-    "2026-12-06 launch (state BV32, output w8)": {"state_bv": 32, "output_warps": 8},
+    "earlier launch: state BV32 + output w8": {"state_bv": 32, "output_warps": 8},
 }
 #: more of the space, with ``--wide``
 WIDE = {
@@ -90,11 +91,13 @@ def kernel_profile(calls, reps: int = 3) -> dict[str, float]:
     for c in calls:
         c()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            for c in calls:
-                c()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():  # torch's note that one profiling cycle keeps only its own events
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                for c in calls:
+                    c()
+            torch.cuda.synchronize()
     per = {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
