@@ -552,8 +552,8 @@ def chunk_kda_fwd(
     NV = triton.cdiv(V, BV)
     # pipelined: the next chunks' w, u and kd loads in flight during this chunk's products.  On an H200 at
     # 4096 tokens (H=16, K=V=128, bf16) the kernel took 167 us as a while loop, 134 / 109 / 111 us over
-    # 2 / 3 / 4 stages; BV=32 and 4 warps stay the fastest (bench/RESULTS.md, 2026-12-03).  fp32 operands
-    # take two: three stages of their tiles (72 KB each at K=128) would not fit the shared memory
+    # 2 / 3 / 4 stages with 4 warps (bench/RESULTS.md, 2026-12-03; the value tile: ``state_tile``).  fp32
+    # operands take two: three stages of their tiles (72 KB each at K=128) would not fit the shared memory
     _kda_state_kernel[(NV, n_seq, H)](
         kd, glast, w, u, v_new, h, h0, ht, qg, Pqk, o, cu_seqlens, chunk_offsets,
         H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
