@@ -8,7 +8,8 @@ and cold (``INFRA_AGENT_FORKSERVER=0``: a fresh interpreter per probe, paying it
 On a scratch git copy of the bundled target:
 1. after a one-line change to the CP merge kernel (committed), ``infra-agent feedback
    --changed-from HEAD~1``: wall time to the verdict, median of ``reps`` (each rep a different
-   one-line change, so the candidate is never served from the cache; the baseline is);
+   one-line change, so the candidate is never served from the cache; the baseline is), with each selected
+   probe's own time on the candidate (where a slow verdict's time goes);
 2. the same command again with nothing changed, median of ``reps``: answered from the memo of the last
    run (``feedback/memo.py``), and with the memos removed first (every probe result from the cache, the
    whole harness imported);
@@ -95,6 +96,7 @@ def main() -> int:
         base = git(tree, "rev-parse", "HEAD").strip()
 
         verdicts, probes = {m: [] for m in MODES}, None
+        by_probe: dict = {m: {} for m in MODES}  # each selected probe's own seconds on the candidate, per run
         for i in range(args.reps):
             for j, mode in enumerate(MODES):  # interleaved: the machine's drift falls on both alike
                 git(tree, "reset", "-q", "--hard", base)
@@ -102,6 +104,8 @@ def main() -> int:
                 secs, rc, rep = feedback(tree, "--changed-from", "HEAD~1", mode=mode)
                 verdicts[mode].append(secs)
                 probes = [r["probe"] for r in rep["results"]]
+                for r in rep["results"]:
+                    by_probe[mode].setdefault(r["probe"], []).append(r["duration_s"])
         from feedback.state import StateDir
 
         memos = StateDir.for_target(tree).memos
@@ -134,7 +138,9 @@ def main() -> int:
             "device": _device(),
             "verdict_after_change_s": verdicts,
             "verdict_median_s": {m: statistics.median(v) for m, v in verdicts.items()},
-            "probes_selected": probes, "unchanged_rerun_s": cached, "unchanged_rerun_runs_s": reruns,
+            "probes_selected": probes,
+            "probe_median_s": {m: {p: statistics.median(v) for p, v in d.items()} for m, d in by_probe.items()},
+            "unchanged_rerun_s": cached, "unchanged_rerun_runs_s": reruns,
             "unchanged_rerun_all_cached": all_cached, "unchanged_rerun_from_memo": from_memo,
             "selected_cold_s": t_sel, "all_probes_cold_s": t_all,
             "selected_over_all": {m: t_sel[m] / t_all[m] for m in t_all}, "n_selected": n_sel, "n_all": n_all,
@@ -148,6 +154,8 @@ def main() -> int:
     table.add_row(f"verdict after a one-line CP merge change (median of {args.reps})",
                   *(f"{med[m]:.1f} s" for m in MODES), "<= 5 s")
     table.add_row("  runs", *(", ".join(f"{v:.1f}" for v in verdicts[m]) for m in MODES), "")
+    table.add_row("  each probe's own time (median)", *("\n".join(f"{p} {t:.1f} s" for p, t in sorted(
+        result["probe_median_s"][m].items(), key=lambda kv: -kv[1])) for m in MODES), "")
     table.add_row(f"repeated run, nothing changed (median of {args.reps})",
                   *(f"{cached[m]['memo']:.3f} s (memo: {from_memo[m + '/memo']})" for m in MODES), "<= 0.3 s")
     table.add_row("  the same, memos removed: the full path, results from the cache",
