@@ -83,29 +83,6 @@ def prefill_call(s: dict, precision: str):
                                  s["chunks"], precision)
 
 
-def kernel_profile(calls, reps: int = 3) -> dict[str, float]:
-    """Device microseconds per call of every kernel that ``calls`` launch (torch.profiler, after a warm-up)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():  # torch's note that one profiling cycle keeps only its own events
-        warnings.simplefilter("ignore", UserWarning)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                for c in calls:
-                    c()
-            torch.cuda.synchronize()
-    per = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            per[e.key[:70]] = t / (reps * len(calls))
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="folder for prefill_sweep.json")
@@ -120,7 +97,7 @@ def main() -> int:
         return 2
     import target_stack.ops  # noqa: F401
     from target_stack.bench.kda import _fla
-    from target_stack.bench.timing import copy_bandwidth, graph_time, rotations
+    from target_stack.bench.timing import copy_bandwidth, graph_time, kernel_times, rotations
     from target_stack.ops.kda import naive_chunk_kda
     from target_stack.ops.kda.chunk import CHUNK_SIZE, prepare_chunks
     from target_stack.ops.kda.testing import make_inputs, rel_err
@@ -186,9 +163,12 @@ def main() -> int:
                   f"{errs[name][0]:.1e} / {errs[name][1]:.1e}", flush=True)
         for name in [n for n in ("default", "fla") if n in ok]:
             make, over = entries[name]
-            with applied(over):
-                prof = kernel_profile([make(s) for s in sets[:4]])
-            result["profiles"][f"{name} {T}"] = prof
+            calls = [make(s) for s in sets[:4]]
+            with applied(over), warnings.catch_warnings():  # torch: one profiling cycle keeps its own events
+                warnings.simplefilter("ignore", UserWarning)
+                per_round = kernel_times(lambda: [c() for c in calls], calls=3)  # warm: the graphs ran them
+            prof = {k: us / len(calls) for k, (us, _) in sorted(per_round.items(), key=lambda kv: -kv[1][0])}
+            result["profiles"][f"{name} {T}"] = prof  # device us per prefill
             print(f"  kernels of {name}: " + ", ".join(f"{k.split('(')[0][:40]} {us:.1f}" for k, us in
                                                         list(prof.items())[:6]))
     out = pathlib.Path(args.out)
