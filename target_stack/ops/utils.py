@@ -42,16 +42,6 @@ def block_size(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
-def tile_filling_sms(tile: int, width: int, rows: int, device: torch.device, per_sm: int = 1,
-                     narrowest: int = 16) -> int:
-    """``tile`` halved, down to ``narrowest``, while a launch of ``rows`` programs per tile across ``width``
-    would give the CUDA ``device``'s SMs fewer than ``per_sm`` programs each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    while tile > narrowest and rows * triton.cdiv(width, tile) < per_sm * sms:
-        tile //= 2
-    return tile
-
-
 def check_kda_inputs(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -28,14 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import (
-    alloc,
-    block_size,
-    check_kda_inputs,
-    interpreting,
-    resolve_dot_precision,
-    tile_filling_sms,
-)
+from target_stack.ops.utils import alloc, block_size, check_kda_inputs, interpreting, resolve_dot_precision
 
 #: how the diagonal blocks are built: a program per token (True, ``_kda_diag_token_kernel``), a program per
 #: block as one 3-D product (False, ``_kda_diag_block_kernel``), or (None) by token on a GPU and by block in
@@ -413,7 +406,10 @@ def state_tile(BV: int, V: int, rows: int, device: torch.device) -> int:
     64 keep their tile (``chunk_tiles`` widens some of them for a Triton fault)."""
     if interpreting() or device.type != "cuda" or V < 64:
         return BV
-    return tile_filling_sms(BV, V, rows, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    while BV > 16 and rows * triton.cdiv(V, BV) < sms:
+        BV //= 2
+    return BV
 
 
 def state_stages(BT: int, BK: int, BV: int, dtype: torch.dtype, budget: int = 160 * 1024,

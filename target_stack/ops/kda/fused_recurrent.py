@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from target_stack.ops.utils import CachedLaunch, alloc, block_size, check_kda_inputs, interpreting, tile_filling_sms
+from target_stack.ops.utils import CachedLaunch, alloc, block_size, check_kda_inputs, interpreting
 
 
 @triton.jit
@@ -172,7 +172,10 @@ def _decode_tile(V: int, rows: int, device: torch.device, state_dtype: torch.dty
     tile = min(block_size(V, 1), 64 if state_dtype == torch.float32 else 32)
     if interpreting() or device.type != "cuda":
         return min(tile, 32)
-    return tile_filling_sms(tile, V, rows, device, per_sm=12)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    while tile > 16 and rows * triton.cdiv(V, tile) < 12 * sms:
+        tile //= 2
+    return tile
 
 
 def _plan(q, k, v, g, beta, initial_state, output_final_state, ssm_state_indices, l2norm, beta_sigmoid,
