@@ -218,6 +218,13 @@ def test_the_state_kernel_narrows_its_value_tile_while_sms_would_idle(monkeypatc
     assert tile(32, 128, 64, cuda) == 32  # four sequences: 256 programs already
     assert tile(64, 128, 1, cuda) == 16 and tile(64, 128, 40, cuda) == 32 and tile(64, 128, 80, cuda) == 64
     assert tile(64, 32, 1, cuda) == 64 and tile(32, 128, 1, torch.device("cpu")) == 32
+    # the decode step's tile, by the same rule at a dozen programs an SM: the picks its docstring gives
+    from target_stack.ops.kda import fused_recurrent
+
+    monkeypatch.setattr(fused_recurrent, "interpreting", lambda: False)
+    picks = {dt: [fused_recurrent._decode_tile(128, n * 32, cuda, dt) for n in (1, 16, 64, 256)]
+             for dt in (torch.float32, torch.bfloat16)}
+    assert picks == {torch.float32: [16, 32, 64, 64], torch.bfloat16: [16, 32, 32, 32]}
 
 
 # --- fused recurrent -------------------------------------------------------------------------
