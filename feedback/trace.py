@@ -42,12 +42,14 @@ def capture(fn: Callable[[], object], name: str, out_dir: str | pathlib.Path | N
 
     for _ in range(warmup):
         fn()
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
+    # the GPU is traced only where the work uses it: work that never touched CUDA would otherwise have the
+    # context's creation (a synchronisation's first call: hundreds of ms of cudaDeviceSynchronize) ranked
+    # above its own ops.  Without a warmup call nothing says yet, so an available GPU is traced.
+    on_gpu = torch.cuda.is_available() and (torch.cuda.is_initialized() or warmup == 0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities, record_shapes=False) as prof:
         fn()
-        if torch.cuda.is_available():
+        if on_gpu:
             torch.cuda.synchronize()
     path = None
     if out_dir is not None:

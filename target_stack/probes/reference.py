@@ -409,6 +409,10 @@ class Checker:
             yield
         except Exception as exc:  # noqa: BLE001 - a crash of the code under test is a located failure
             self.worst = math.inf
+            oom = out_of_memory(exc)
+            if oom is not None:  # where an allocation failed says nothing of who holds the memory
+                self.ctx.fail(oom, **where)
+                return
             frame = culprit(exc, self.ctx.tree)
             if frame is not None:
                 where = dict(where, file=frame[0], symbol=frame[1])
@@ -436,6 +440,10 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     import tempfile
 
     def raised(exc: Exception) -> None:
+        oom = out_of_memory(exc)
+        if oom is not None:  # where an allocation failed says nothing of who holds the memory
+            ctx.fail(oom, **where)
+            return
         frame = culprit(exc, ctx.tree)
         if frame is None or frame[0] == where.get("file"):
             ctx.fail(raised_message(exc), **where)
@@ -510,6 +518,33 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
 
 
 DEVICE_FAULT = "the device faulted"
+OUT_OF_MEMORY = "the device ran out of memory"
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """A finding's message when ``exc`` (or an error it was raised from) is a device's out-of-memory error:
+    torch's own, or a native library's (a Triton module load, a cuBLAS workspace) that says so; else None.
+    Such a failure is located at the check, not at the frame whose allocation happened to fail: the memory
+    may be held by the change under test (then the check's numbers name it) or by another process on the
+    device (the free memory, measured here, says which)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            note = ""
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                try:
+                    free, total = torch.cuda.mem_get_info()
+                    held = torch.cuda.memory_reserved()
+                    note = (f"; now {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on the device, "
+                            f"{held / 2**30:.1f} GiB held by this process")
+                except Exception:  # noqa: BLE001 - the note is a courtesy; the finding stands without it
+                    pass
+            first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            return (f"{OUT_OF_MEMORY} while this ran ({first}){note}. Other processes on the device (a parallel "
+                    "test run, another job) or this change's own footprint; run it alone to tell which")
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return None
 
 
 def culprit(exc: BaseException, tree) -> tuple[str, str] | None:

@@ -103,3 +103,58 @@ def test_a_raised_error_is_traced_through_the_chain_to_the_file_where_it_began(t
     loc = finding.location
     assert (loc.file, loc.symbol, loc.kernel, loc.condition) == ("target_stack/ops/helper.py", "bad (line 2)",
                                                                  None, "T=1")
+
+
+def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_allocation(tmp_path):
+    from feedback.probe import ProbeContext
+
+    ops = tmp_path / "target_stack" / "ops"
+    ops.mkdir(parents=True)
+    (ops / "alloc.py").write_text("import torch\n\n\ndef grow(n):\n    raise torch.OutOfMemoryError("
+                                  "f'CUDA out of memory. Tried to allocate {n} GiB')\n\n\n"
+                                  "def load():\n    raise RuntimeError('Triton Error [CUDA]: out of memory')\n")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_tree_alloc", ops / "alloc.py")
+    alloc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alloc)
+    assert ref.culprit(_raise(alloc.grow, 3), tmp_path) == ("target_stack/ops/alloc.py", "grow (line 5)")
+
+    # the CPU path runs the check in a forked child: its finding comes back, located at the check
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    ctx._device = "cpu"
+    chk = ref.Checker(ctx, 1e-4)
+    done, _ = ref.isolated(ctx, lambda: alloc.grow(3), chk, file="target_stack/engine/engine.py",
+                           symbol="LLMEngine.generate", condition="batch 8")
+    assert not done and ctx.failed
+    [finding] = ctx.findings
+    assert finding.message.startswith(ref.OUT_OF_MEMORY) and "Tried to allocate 3 GiB" in finding.message
+    assert (finding.location.file, finding.location.symbol, finding.location.condition) == \
+        ("target_stack/engine/engine.py", "LLMEngine.generate", "batch 8")
+
+    # a native library's error that says so (a module load under memory pressure), through the guard, and
+    # wrapped in another error: the same; any other error is still traced to its frame
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    chk = ref.Checker(ctx, 1e-4)
+    with chk.guard(file="target_stack/model/layer.py", symbol="Layer.forward"):
+        try:
+            alloc.load()
+        except RuntimeError as exc:
+            raise ValueError("launch failed") from exc
+    with chk.guard(file="target_stack/model/layer.py", symbol="Layer.forward"):
+        alloc.grow.__globals__["torch"] = None  # an AttributeError raised inside alloc.grow itself
+        alloc.grow(1)
+    oom, other = ctx.findings
+    assert oom.message.startswith(ref.OUT_OF_MEMORY) and "Triton Error [CUDA]" in oom.message
+    assert (oom.location.file, oom.location.symbol) == ("target_stack/model/layer.py", "Layer.forward")
+    assert not other.message.startswith(ref.OUT_OF_MEMORY)
+    assert (other.location.file, other.location.symbol) == ("target_stack/ops/alloc.py", "grow (line 5)")
+    assert chk.worst == math.inf
+
+
+def _raise(fn, *args) -> BaseException:
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - the error itself is what the test reads
+        return exc
+    raise AssertionError(f"{fn.__name__} did not raise")
