@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import pathlib
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -54,7 +56,9 @@ def judge(
     Probes are the named ones, or those whose covers match ``changed`` (and those of ``failing``, the
     baseline's results, that failed and imported a changed file: :func:`feedback.select.rechecked`),
     or all of them.  Stages run cheapest first (static, correctness, microbench, trace, events, e2e);
-    the cascade stops after the first stage in which a candidate probe fails, unless ``run_all``.
+    the cascade stops after the first stage in which a candidate probe fails, unless ``run_all``.  A static
+    stage does not hold back the stage after it: that one starts beside it, is reported once the static
+    stage has passed, and is stopped (killed, dropped) if it fails (:func:`_static_beside`).
 
     The judges (the manifest, the protected files, the probes' modules) are hashed before and after
     the run: a candidate whose code changed them while its probes ran is judged ``incorrect``, and
@@ -96,21 +100,38 @@ def judge(
     base_results: list[ProbeResult] = []
     stopped = None
     cascade = stages(specs)
-    for stage, group in cascade:
+    i = 0
+    while i < len(cascade):
+        stage, group = cascade[i]
+        ahead = cascade[i + 1] if _beside(cascade, i, runner, base_runner) else None
+        done = [(stage, group)] + ([ahead] if ahead else [])
         if base_runner is not None and judged_by_performance(stage):
             cand, base = _paired(runner, base_runner, group, on_result)
             results += cand
             base_results += base
         else:
-            results += runner.run(group, on_done=(lambda r: on_result("candidate", r)) if on_result else None)
+            cand_done = (lambda r: on_result("candidate", r)) if on_result else None
+            base_done = (lambda r: on_result("baseline", r)) if on_result else None
+            if ahead:
+                first, later = _static_beside(runner, group, ahead[1], cand_done, stop=not run_all)
+                results += first + (later or [])
+                if later is None:  # the static stage failed: the stage beside it was stopped, dropped
+                    done = done[:1]
+            else:
+                results += runner.run(group, on_done=cand_done)
             if base_runner is not None:
-                base_group = [s for s in group if _has(base_runner.manifest, s.id)]
-                base_results += base_runner.run([base_runner.manifest.probe(s.id) for s in base_group],
-                                                on_done=(lambda r: on_result("baseline", r)) if on_result else None)
-        if not run_all and any(r.status in (Status.failed, Status.error, Status.timeout)
-                               for r in results if r.probe in {s.id for s in group}):
-            stopped = stage if stage != cascade[-1][0] else None
+                sides = [[base_runner.manifest.probe(s.id) for s in g if _has(base_runner.manifest, s.id)]
+                         for _, g in done]
+                if len(sides) == 2:
+                    first, later = _static_beside(base_runner, sides[0], sides[1], base_done, stop=False)
+                    base_results += first + later
+                else:
+                    base_results += base_runner.run(sides[0], on_done=base_done)
+        failing = [st for st, g in done if any(r.status in FAILING for r in results if r.probe in {s.id for s in g})]
+        if failing and not run_all:  # a static stage that failed beside the next is first here: it stopped that
+            stopped = failing[0] if failing[0] != cascade[-1][0] else None
             break
+        i += len(done)
 
     judges_changed = [f"{path} changed while the candidate's probes ran"
                       for path in _differing(judges_before, content_hashes(tree, manifest, specs))]
@@ -129,6 +150,56 @@ def judge(
     if base_runner is not None:
         report.verdict = verdict(report)
     return report
+
+
+def _beside(cascade: list[tuple[str, list[ProbeSpec]]], i: int, runner: Runner, base_runner: Runner | None) -> bool:
+    """Whether stage ``i`` runs with the next one beside it: a static stage (checks that read source: a second
+    or so, no device) need not hold back the stage after it, unless that one measures performance (a quiet
+    machine) or its probes run elsewhere (an executor: :meth:`Runner.stop` reaches local processes only)."""
+    return (cascade[i][0] == "static" and i + 1 < len(cascade) and not judged_by_performance(cascade[i + 1][0])
+            and all(r is None or r.executor is None for r in (runner, base_runner)))
+
+
+def _static_beside(runner: Runner, static: list[ProbeSpec], ahead: list[ProbeSpec],
+                   on_done: Callable[[ProbeResult], None] | None,
+                   stop: bool) -> tuple[list[ProbeResult], list[ProbeResult] | None]:
+    """Run the static stage and, beside it, the stage after it (:func:`_beside`); the static probes take no
+    slot of the other's ``jobs``.  (static results, the other stage's results.)  The other's results are
+    reported (``on_done``) once the static stage has passed.  With ``stop``, a failing static stage stops the
+    other (its probes killed or never started, nothing of them cached) and its results are dropped, None: the
+    cascade ends at the static stage as if it had run alone, only sooner."""
+    held: list[ProbeResult] = []
+    lock = threading.Lock()
+    released = False
+
+    def ahead_done(result: ProbeResult) -> None:
+        with lock:
+            if not released:
+                held.append(result)
+                return
+        if on_done:
+            on_done(result)
+
+    with cf.ThreadPoolExecutor(max_workers=1) as side:
+        later = side.submit(runner.run, ahead, ahead_done)
+        try:
+            first = runner.run(static, on_done=on_done)
+        except BaseException:  # Ctrl-C: the other stage's probes die too
+            runner.stop()
+            raise
+        if stop and any(r.status in FAILING for r in first):
+            runner.stop()
+            try:
+                later.result()
+            finally:
+                runner.resume()
+            return first, None
+        with lock:
+            released = True
+        for result in held:
+            if on_done:
+                on_done(result)
+        return first, later.result()
 
 
 def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:

@@ -108,6 +108,10 @@ class _Tail:
         return f"[{self.dropped} earlier bytes of output not kept]\n{body}" if self.dropped else body
 
 
+#: the reason of a probe :meth:`Runner.stop` kept from starting
+STOPPED = "stopped before it started: the harness no longer wanted its result"
+
+
 class EnvironmentFailure(RuntimeError):
     """The harness or the machine could not run a probe; reported as an error never blamed on a candidate."""
 
@@ -127,6 +131,7 @@ class Runner:
         self.env_key = (executor.environment_key(emulate) if hasattr(executor, "environment_key")
                         else environment_key(emulate))
         self._live: set[subprocess.Popen] = set()
+        self._stopping = threading.Event()  # set by stop(): nothing starts, whatever runs is killed
         # where probes run: None here, as subprocesses; or an executor with run(runner, spec) -> (result,
         # reported), such as feedback.ray_executor.RayExecutor (the cache stays here either way)
         self.executor = executor
@@ -257,6 +262,19 @@ class Runner:
                 raise
         return [results[s.id] for s in specs]
 
+    def stop(self) -> None:
+        """Stop the probes of this runner's runs in progress: those not started yet are not started (a
+        skipped result, :data:`STOPPED`), the running ones are killed with their process groups.  Nothing of a
+        stopped probe is cached: it reported nothing.  For a run whose results are no longer wanted (the
+        harness's next stage, started beside a static stage that then failed); :meth:`resume` ends it."""
+        self._stopping.set()
+        for proc in list(self._live):
+            self._kill_group(proc)
+
+    def resume(self) -> None:
+        """Let probes start again after :meth:`stop` (once the stopped runs have returned)."""
+        self._stopping.clear()
+
     def cached(self, spec: ProbeSpec) -> ProbeResult | None:
         """The cache's result for ``spec``, if it holds one."""
         return self._cache_get(self.cache_key(spec)) if self.use_cache else None
@@ -268,6 +286,8 @@ class Runner:
         files in the same environment raise the same way).  Re-run every time: timeouts, crashes
         and failures of the harness or the machine.
         """
+        if self._stopping.is_set():
+            return ProbeResult(probe=spec.id, status=Status.skipped, reason=STOPPED)
         key = self.cache_key(spec) if self.use_cache else None
         if key and not fresh and (hit := self._cache_get(key)):
             return hit
@@ -353,6 +373,8 @@ class Runner:
             os.close(wfd)
             reader.start()
         self._live.add(proc)
+        if self._stopping.is_set():  # stop() came between this probe's start and its registration
+            self._kill_group(proc)
         out, err = _Tail(proc.stdout), _Tail(proc.stderr)  # bounded: a probe printing gigabytes costs nothing
         try:
             proc.wait(timeout=spec.budget_s)

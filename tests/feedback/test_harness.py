@@ -170,3 +170,88 @@ def test_timings_of_a_comparison_run_alone_side_by_side_and_never_against_a_stal
     assert next(r for r in report.results if r.probe == "c0").cached  # a correctness probe keeps its cache
     again = judge(cand, changed=["pp/code.py"], baseline_tree=base, jobs=4, cache_dir=cache)
     assert all(r.cached for r in again.results + again.baseline_results)  # a whole pair: from the cache
+
+
+_STAGE_PROBES = '''
+import os, time
+from feedback.probe import probe
+
+def _stamp(ctx, what):
+    with open(ctx.params["log"], "a") as f:
+        f.write(f"{what} {time.time()} {os.getpid()}\\n")
+
+@probe
+def source_check(ctx):
+    time.sleep(ctx.params["sleep"])
+    _stamp(ctx, "static-end")
+    if ctx.params["fail"]:
+        ctx.fail("a tl.dot without its input_precision", file="st/code.py")
+
+@probe
+def long_check(ctx):
+    _stamp(ctx, "correctness-start")
+    time.sleep(ctx.params["sleep"])
+    _stamp(ctx, "correctness-end")
+'''
+
+
+def _stage_tree(root: pathlib.Path, log: pathlib.Path, static_fails: bool, correctness_s: float) -> pathlib.Path:
+    (root / "st").mkdir(parents=True)
+    (root / "st" / "__init__.py").write_text("")
+    (root / "st" / "probes.py").write_text(_STAGE_PROBES)
+    (root / "st" / "code.py").write_text("X = 1\n")
+    (root / "infra-agent.yaml").write_text(
+        "schema_version: 1\nname: stages\nprobes:\n"
+        f"  - {{id: s0, kind: static, entry: 'st.probes:source_check', params: {{log: '{log}', sleep: 1.5, "
+        f"fail: {str(static_fails).lower()}}}, covers: {{files: ['st/code.py']}}}}\n"
+        f"  - {{id: c0, kind: correctness, entry: 'st.probes:long_check', params: {{log: '{log}', "
+        f"sleep: {correctness_s}}}, budget_s: 300, covers: {{files: ['st/code.py']}}}}\n")
+    return root
+
+
+def _stamps(log: pathlib.Path) -> dict[str, tuple[float, int]]:
+    return {what: (float(t), int(pid)) for what, t, pid in (line.split() for line in log.read_text().splitlines())}
+
+
+def test_the_stage_after_a_static_one_starts_beside_it_and_is_reported_once_it_passed(tmp_path):
+    log = tmp_path / "stamps.txt"
+    tree = _stage_tree(tmp_path / "t", log, static_fails=False, correctness_s=2.0)
+    seen = []
+    report = judge(tree, changed=["st/code.py"], use_cache=False, on_result=lambda side, r: seen.append(r.probe))
+    stamps = _stamps(log)
+    assert stamps["correctness-start"][0] < stamps["static-end"][0]  # it did not wait for the static stage
+    assert [r.probe for r in report.results] == ["s0", "c0"] and report.passed and report.stopped_at is None
+    assert seen == ["s0", "c0"]  # reported in the cascade's order all the same
+
+
+def test_a_failing_static_stage_stops_the_stage_started_beside_it(tmp_path):
+    import time
+
+    from feedback.manifest import load_manifest
+    from feedback.runner import Runner
+
+    log = tmp_path / "stamps.txt"
+    tree = _stage_tree(tmp_path / "t", log, static_fails=True, correctness_s=120.0)
+    cache = tmp_path / "cache"
+    t0 = time.monotonic()
+    report = judge(tree, changed=["st/code.py"], cache_dir=cache)
+    elapsed = time.monotonic() - t0
+    assert report.stopped_at == "static" and [r.probe for r in report.results] == ["s0"]
+    assert report.results[0].status == Status.failed
+    assert elapsed < 60, f"the verdict waited for the stopped probe ({elapsed:.0f} s)"
+    stamps = _stamps(log)
+    assert "correctness-start" in stamps and "correctness-end" not in stamps
+    pid = stamps["correctness-start"][1]
+    for _ in range(50):  # killed with its process group (reaped by whoever forked it)
+        if not pathlib.Path(f"/proc/{pid}").exists() or "zombie" in pathlib.Path(f"/proc/{pid}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the stopped probe (pid {pid}) still runs")
+    manifest = load_manifest(tree)
+    runner = Runner(tree, manifest, cache_dir=str(cache))
+    assert runner.cached(manifest.probe("s0")) is not None and runner.cached(manifest.probe("c0")) is None
+    # with every stage asked for, nothing is stopped: the correctness stage's own verdict comes back
+    quick = _stage_tree(tmp_path / "q", tmp_path / "q.txt", static_fails=True, correctness_s=0.5)
+    everything = judge(quick, changed=["st/code.py"], use_cache=False, run_all=True)
+    assert [(r.probe, r.status) for r in everything.results] == [("s0", Status.failed), ("c0", Status.passed)]
