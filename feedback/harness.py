@@ -154,9 +154,10 @@ def judge(
 
 def _beside(cascade: list[tuple[str, list[ProbeSpec]]], i: int, runner: Runner, base_runner: Runner | None) -> bool:
     """Whether stage ``i`` runs with the next one beside it: a static stage (checks that read source: a second
-    or so, no device) need not hold back the stage after it, unless that one measures performance (a quiet
-    machine) or its probes run elsewhere (an executor: :meth:`Runner.stop` reaches local processes only)."""
-    return (cascade[i][0] == "static" and i + 1 < len(cascade) and not judged_by_performance(cascade[i + 1][0])
+    or so, no device) need not hold back a correctness stage after it, whose verdicts no load on the machine
+    changes.  Not a stage that times anything (microbench, trace, events, e2e: a quiet machine), nor probes
+    run elsewhere (an executor: :meth:`Runner.stop` reaches local processes only)."""
+    return (cascade[i][0] == "static" and i + 1 < len(cascade) and cascade[i + 1][0] == "correctness"
             and all(r is None or r.executor is None for r in (runner, base_runner)))
 
 

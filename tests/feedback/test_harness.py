@@ -195,7 +195,8 @@ def long_check(ctx):
 '''
 
 
-def _stage_tree(root: pathlib.Path, log: pathlib.Path, static_fails: bool, correctness_s: float) -> pathlib.Path:
+def _stage_tree(root: pathlib.Path, log: pathlib.Path, static_fails: bool, correctness_s: float,
+                kind: str = "correctness") -> pathlib.Path:
     (root / "st").mkdir(parents=True)
     (root / "st" / "__init__.py").write_text("")
     (root / "st" / "probes.py").write_text(_STAGE_PROBES)
@@ -204,7 +205,7 @@ def _stage_tree(root: pathlib.Path, log: pathlib.Path, static_fails: bool, corre
         "schema_version: 1\nname: stages\nprobes:\n"
         f"  - {{id: s0, kind: static, entry: 'st.probes:source_check', params: {{log: '{log}', sleep: 1.5, "
         f"fail: {str(static_fails).lower()}}}, covers: {{files: ['st/code.py']}}}}\n"
-        f"  - {{id: c0, kind: correctness, entry: 'st.probes:long_check', params: {{log: '{log}', "
+        f"  - {{id: c0, kind: {kind}, entry: 'st.probes:long_check', params: {{log: '{log}', "
         f"sleep: {correctness_s}}}, budget_s: 300, covers: {{files: ['st/code.py']}}}}\n")
     return root
 
@@ -213,13 +214,17 @@ def _stamps(log: pathlib.Path) -> dict[str, tuple[float, int]]:
     return {what: (float(t), int(pid)) for what, t, pid in (line.split() for line in log.read_text().splitlines())}
 
 
-def test_the_stage_after_a_static_one_starts_beside_it_and_is_reported_once_it_passed(tmp_path):
+@pytest.mark.parametrize("kind", ["correctness", "events"])
+def test_a_correctness_stage_starts_beside_the_static_one_and_is_reported_once_it_passed(tmp_path, kind):
     log = tmp_path / "stamps.txt"
-    tree = _stage_tree(tmp_path / "t", log, static_fails=False, correctness_s=2.0)
+    tree = _stage_tree(tmp_path / "t", log, static_fails=False, correctness_s=2.0, kind=kind)
     seen = []
     report = judge(tree, changed=["st/code.py"], use_cache=False, on_result=lambda side, r: seen.append(r.probe))
     stamps = _stamps(log)
-    assert stamps["correctness-start"][0] < stamps["static-end"][0]  # it did not wait for the static stage
+    if kind == "correctness":
+        assert stamps["correctness-start"][0] < stamps["static-end"][0]  # it did not wait for the static stage
+    else:  # a stage that times anything waits for a quiet machine
+        assert stamps["correctness-start"][0] > stamps["static-end"][0]
     assert [r.probe for r in report.results] == ["s0", "c0"] and report.passed and report.stopped_at is None
     assert seen == ["s0", "c0"]  # reported in the cascade's order all the same
 
