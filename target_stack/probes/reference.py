@@ -409,7 +409,7 @@ class Checker:
             yield
         except Exception as exc:  # noqa: BLE001 - a crash of the code under test is a located failure
             self.worst = math.inf
-            oom = out_of_memory(exc)
+            oom = out_of_memory(exc, self.ctx.tree)
             if oom is not None:  # where an allocation failed says nothing of who holds the memory
                 self.ctx.fail(oom, **where)
                 return
@@ -440,7 +440,7 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     import tempfile
 
     def raised(exc: Exception) -> None:
-        oom = out_of_memory(exc)
+        oom = out_of_memory(exc, ctx.tree)
         if oom is not None:  # where an allocation failed says nothing of who holds the memory
             ctx.fail(oom, **where)
             return
@@ -521,12 +521,13 @@ DEVICE_FAULT = "the device faulted"
 OUT_OF_MEMORY = "the device ran out of memory"
 
 
-def out_of_memory(exc: BaseException) -> str | None:
+def out_of_memory(exc: BaseException, tree=None) -> str | None:
     """A finding's message when ``exc`` (or an error it was raised from) is a device's out-of-memory error:
     torch's own, or a native library's (a Triton module load, a cuBLAS workspace) that says so; else None.
-    Such a failure is located at the check, not at the frame whose allocation happened to fail: the memory
-    may be held by the change under test (then the check's numbers name it) or by another process on the
-    device (the free memory, measured here, says which)."""
+    Such a failure is located at the check, not at the frame whose allocation happened to fail, which the
+    message names instead (with ``tree``): the memory may be held by the change under test (an allocation
+    sized wrong: that frame) or by another process on the device (the free memory, measured here)."""
+    frame = culprit(exc, tree) if tree is not None else None
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -541,8 +542,9 @@ def out_of_memory(exc: BaseException) -> str | None:
                 except Exception:  # noqa: BLE001 - the note is a courtesy; the finding stands without it
                     pass
             first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            return (f"{OUT_OF_MEMORY} while this ran ({first}){note}. Other processes on the device (a parallel "
-                    "test run, another job) or this change's own footprint; run it alone to tell which")
+            at = f", in {frame[0]} {frame[1]}" if frame else ""
+            return (f"{OUT_OF_MEMORY} while this ran ({first}{at}){note}. Other processes on the device (a "
+                    "parallel test run, another job) or this change's own footprint; run it alone to tell which")
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
 

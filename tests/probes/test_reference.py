@@ -129,6 +129,7 @@ def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_
     assert not done and ctx.failed
     [finding] = ctx.findings
     assert finding.message.startswith(ref.OUT_OF_MEMORY) and "Tried to allocate 3 GiB" in finding.message
+    assert "in target_stack/ops/alloc.py grow (line 5)" in finding.message  # where it failed: named, not blamed
     assert (finding.location.file, finding.location.symbol, finding.location.condition) == \
         ("target_stack/engine/engine.py", "LLMEngine.generate", "batch 8")
 
