@@ -234,6 +234,7 @@ def test_a_failing_static_stage_stops_the_stage_started_beside_it(tmp_path):
 
     from feedback.manifest import load_manifest
     from feedback.runner import Runner
+    from tests.support.processes import alive
 
     log = tmp_path / "stamps.txt"
     tree = _stage_tree(tmp_path / "t", log, static_fails=True, correctness_s=120.0)
@@ -247,12 +248,10 @@ def test_a_failing_static_stage_stops_the_stage_started_beside_it(tmp_path):
     stamps = _stamps(log)
     assert "correctness-start" in stamps and "correctness-end" not in stamps
     pid = stamps["correctness-start"][1]
-    for _ in range(50):  # killed with its process group (reaped by whoever forked it)
-        if not pathlib.Path(f"/proc/{pid}").exists() or "zombie" in pathlib.Path(f"/proc/{pid}/status").read_text():
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the stopped probe (pid {pid}) still runs")
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:  # killed with its process group
+        time.sleep(0.05)
+    assert not alive(pid), f"the stopped probe (pid {pid}) still runs"
     manifest = load_manifest(tree)
     runner = Runner(tree, manifest, cache_dir=str(cache))
     assert runner.cached(manifest.probe("s0")) is not None and runner.cached(manifest.probe("c0")) is None
