@@ -528,10 +528,8 @@ def out_of_memory(exc: BaseException, tree=None) -> str | None:
     message names instead (with ``tree``): the memory may be held by the change under test (an allocation
     sized wrong: that frame) or by another process on the device (the free memory, measured here)."""
     frame = culprit(exc, tree) if tree is not None else None
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    for link in raised_chain(exc):
+        if isinstance(link, torch.OutOfMemoryError) or "out of memory" in str(link).lower():
             note = ""
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 try:
@@ -541,12 +539,21 @@ def out_of_memory(exc: BaseException, tree=None) -> str | None:
                             f"{held / 2**30:.1f} GiB held by this process")
                 except Exception:  # noqa: BLE001 - the note is a courtesy; the finding stands without it
                     pass
-            first = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            first = f"{type(link).__name__}: {link}".splitlines()[0][:200]
             at = f", in {frame[0]} {frame[1]}" if frame else ""
             return (f"{OUT_OF_MEMORY} while this ran ({first}{at}){note}. Other processes on the device (a "
                     "parallel test run, another job) or this change's own footprint; run it alone to tell which")
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
+
+
+def raised_chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the errors it was raised from or while handling, outermost first (a chain cut with
+    ``from None`` ends there; a cycle is followed once)."""
+    chain: list[BaseException] = []
+    while exc is not None and all(exc is not seen for seen in chain):
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return chain
 
 
 def culprit(exc: BaseException, tree) -> tuple[str, str] | None:
@@ -558,12 +565,7 @@ def culprit(exc: BaseException, tree) -> tuple[str, str] | None:
     import traceback
 
     root = pathlib.Path(tree).resolve()
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-    for link in reversed(chain):  # the first raised, first
+    for link in reversed(raised_chain(exc)):  # the first raised, first
         found = None
         for frame, lineno in traceback.walk_tb(link.__traceback__):
             try:

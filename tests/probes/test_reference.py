@@ -106,6 +106,8 @@ def test_a_raised_error_is_traced_through_the_chain_to_the_file_where_it_began(t
 
 
 def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_allocation(tmp_path):
+    import pytest
+
     from feedback.probe import ProbeContext
 
     ops = tmp_path / "target_stack" / "ops"
@@ -118,7 +120,9 @@ def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_
     spec = importlib.util.spec_from_file_location("_tree_alloc", ops / "alloc.py")
     alloc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(alloc)
-    assert ref.culprit(_raise(alloc.grow, 3), tmp_path) == ("target_stack/ops/alloc.py", "grow (line 5)")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        alloc.grow(3)
+    assert ref.culprit(info.value, tmp_path) == ("target_stack/ops/alloc.py", "grow (line 5)")
 
     # the CPU path runs the check in a forked child: its finding comes back, located at the check
     ctx = ProbeContext("p", {}, str(tmp_path))
@@ -152,10 +156,3 @@ def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_
     assert (other.location.file, other.location.symbol) == ("target_stack/ops/alloc.py", "grow (line 5)")
     assert chk.worst == math.inf
 
-
-def _raise(fn, *args) -> BaseException:
-    try:
-        fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - the error itself is what the test reads
-        return exc
-    raise AssertionError(f"{fn.__name__} did not raise")
