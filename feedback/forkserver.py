@@ -61,12 +61,13 @@ import sys
 import threading
 import time
 
+from feedback.jobserver import SLOTS_VAR
 from feedback.lifeline import HARNESS_PID
 from feedback.state import state_home
 from feedback.timing import WITNESS_FD
 
 #: environment variables that differ from probe to probe; a server is shared across them
-PER_PROBE = frozenset({"PYTHONPATH", WITNESS_FD, HARNESS_PID, "INFRA_AGENT_PROBE_ID"})
+PER_PROBE = frozenset({"PYTHONPATH", WITNESS_FD, HARNESS_PID, "INFRA_AGENT_PROBE_ID", SLOTS_VAR})
 #: variables a shell changes between commands, which no library reads at import time
 VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL"})
 #: read where they are used, never at import (Triton looks its cache folder up when it compiles): a
@@ -82,7 +83,7 @@ PRELOAD = ("numpy", "torch", "triton", "triton.language")
 PRELOAD_VAR = "INFRA_AGENT_PRELOAD"
 #: the harness's side of a probe process
 HARNESS_MODULES = ("feedback.worker", "feedback.probe", "feedback.models", "feedback.timing", "feedback.emulation",
-                   "feedback.lifeline")
+                   "feedback.lifeline", "feedback.jobserver")
 HARNESS_ROOT = pathlib.Path(__file__).resolve().parents[1]
 _MAX_MESSAGE = 1 << 20
 _START_TIMEOUT_S = 120.0

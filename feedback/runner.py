@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from feedback import forkserver, machine
+from feedback import forkserver, jobserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
 from feedback.models import Fingerprint, Metric, ProbeResult, Status
@@ -136,6 +136,10 @@ class Runner:
         # reported), such as feedback.ray_executor.RayExecutor (the cache stays here either way)
         self.executor = executor
         self._digests: dict[str, str | None] = {}
+        # the slots of ``jobs``: a probe run here holds one, and may borrow those that idle
+        # (feedback/jobserver.py); made on first use, so a runner that runs nothing makes no folder
+        self._slots: jobserver.Slots | None = None
+        self._slots_lock = threading.Lock()
 
     # --- cache ------------------------------------------------------------------------------
 
@@ -208,6 +212,18 @@ class Runner:
 
     # --- running ----------------------------------------------------------------------------
 
+    @property
+    def slots(self) -> jobserver.Slots:
+        with self._slots_lock:
+            if self._slots is None:
+                self._slots = jobserver.Slots(self.jobs)
+            return self._slots
+
+    def close(self) -> None:
+        """Remove the slots folder (also done when the runner is collected)."""
+        if self._slots is not None:
+            self._slots.close()
+
     def env(self, spec: ProbeSpec | None = None) -> dict[str, str]:
         # no credentials: a probe (and the candidate code it imports) has no use for them, and whatever
         # it prints ends up in results and records
@@ -224,6 +240,8 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a probe killed by a signal still says where it was (crash_site)
         env[HARNESS_PID] = str(os.getpid())  # the probe dies with the harness (feedback/lifeline.py)
+        if self._slots is not None:  # the harness's idle slots, which a probe may borrow (feedback/jobserver.py);
+            env[jobserver.SLOTS_VAR] = str(self._slots.path)  # none where no slot is held for it (a Ray worker)
         if self.manifest.preload:  # what the warm probe server imports besides its own (feedback/forkserver.py)
             env[forkserver.PRELOAD_VAR] = ",".join(self.manifest.preload)
         if not machine.gpu_present():
@@ -291,7 +309,18 @@ class Runner:
         key = self.cache_key(spec) if self.use_cache else None
         if key and not fresh and (hit := self._cache_get(key)):
             return hit
-        result, reported = self.executor.run(self, spec) if self.executor is not None else self.execute(spec)
+        if self.executor is not None:
+            result, reported = self.executor.run(self, spec)
+        else:
+            # a slot of ``jobs`` while it runs (a static probe runs beside a stage and takes none)
+            held = None if spec.kind == "static" else self.slots.acquire(self._stopping)
+            try:
+                if self._stopping.is_set():
+                    return ProbeResult(probe=spec.id, status=Status.skipped, reason=STOPPED)
+                result, reported = self.execute(spec)
+            finally:
+                if held is not None:
+                    held.release()
         result = apply_thresholds(spec, result)
         if key and reported:
             self._cache_put(key, result)

@@ -17,7 +17,7 @@ from feedback.probe import ProbeContext, probe
 from target_stack.ops.kda import chunk_kda, chunk_kda_cp, fused_recurrent_kda, naive_recurrent_kda
 from target_stack.ops.kda.testing import make_inputs
 from target_stack.ops.utils import alloc, poisoning, resolve_dot_precision, set_poison
-from target_stack.probes.reference import extreme_gate_inputs, finite, isolated, kda_gate64, magnitudes
+from target_stack.probes.reference import extreme_gate_inputs, finite, isolated_all, kda_gate64, magnitudes
 
 set_poison(True)  # every buffer a wrapper allocates for a kernel starts as NaN
 # small tensors: an OpenMP team costs more than it saves, worst on shared cores (the float64 token loop of a
@@ -222,18 +222,19 @@ def _sweep(ctx: ProbeContext, fn, file: str, kernel: str) -> None:
     _poison_contract(ctx)
     tol = float(ctx.params.get("tolerance", 1e-5))
     worst: dict[str, float] = {"max_rel_err": 0.0}
+    runs = []  # (case, where, the call)
     for i, case in enumerate(ctx.params["cases"]):
         if case.get("devices") and ctx.device not in case["devices"]:
             continue
         shape = ", ".join(f"{k}={v}" for k, v in case.items() if k not in _JUDGING)
-        bound, metric = float(case.get("tolerance", tol)), case.get("metric", "max_rel_err")
-        where = dict(file=file, kernel=kernel, condition=shape)
-        worst.setdefault(metric, 0.0)
         # the first case also runs again on its tensors refilled in place: a cached result fails there
-        done, result = isolated(ctx, lambda case=case, i=i: compare_sweep(_case_kernel(fn, case), _case_ref(case),
-                                                                          _case_inputs, [case], device=ctx.device,
-                                                                          recheck=i == 0),
-                                **where)
+        runs.append((case, dict(file=file, kernel=kernel, condition=shape),
+                     lambda case=case, i=i: compare_sweep(_case_kernel(fn, case), _case_ref(case), _case_inputs,
+                                                          [case], device=ctx.device, recheck=i == 0)))
+    # the cases are independent: more than one at once where the harness lends idle cores
+    for (case, where, _), (done, result) in zip(runs, isolated_all(ctx, [(call, where) for _, where, call in runs])):
+        bound, metric = float(case.get("tolerance", tol)), case.get("metric", "max_rel_err")
+        worst.setdefault(metric, 0.0)
         if not done:
             worst[metric] = float("inf")
             continue
@@ -262,7 +263,7 @@ def cp_correctness(ctx: ProbeContext) -> None:
     c = ctx.params
     gen = fresh_generator(device=ctx.device)
     tol = float(c.get("tolerance", 1e-5))
-    worst = 0.0
+    runs = []  # (shape, the call)
     for case in c.get("cases", [c]):
         B, H, K, V = case["B"], case["H"], case["K"], case["V"]
         x = make_inputs(B, case["T"], H, K, V, decay_shift=case.get("decay_shift", 0.0), generator=gen,
@@ -277,7 +278,12 @@ def cp_correctness(ctx: ProbeContext) -> None:
             return [(P, max(err, rel_err(outs[P], ref))) for P, err in partitioned_vs_whole(outs.__getitem__,
                                                                                              whole, partitions)]
 
-        done, errs = isolated(ctx, errors, file=CP, kernel="chunk_kda_cp", condition=shape)
+        runs.append((shape, errors))
+    worst = 0.0
+    # the cases are independent: more than one at once where the harness lends idle cores
+    results = isolated_all(ctx, [(errors, dict(file=CP, kernel="chunk_kda_cp", condition=shape))
+                                 for shape, errors in runs])
+    for (shape, _), (done, errs) in zip(runs, results):
         if not done:
             worst = float("inf")
             continue

@@ -424,6 +424,22 @@ class Checker:
             self.ctx.metric(name, finite(err), better="lower")
 
 
+def _raised(ctx, exc: Exception, where: dict) -> None:
+    """A failure of the code under test that raised ``exc``, located: where its allocation failed says
+    nothing of who holds the memory (at ``where``); else at its innermost frame in the tree where that is
+    another file than the one checked."""
+    oom = out_of_memory(exc, ctx.tree)
+    if oom is not None:
+        ctx.fail(oom, **where)
+        return
+    frame = culprit(exc, ctx.tree)
+    if frame is None or frame[0] == where.get("file"):
+        ctx.fail(raised_message(exc), **where)
+    else:  # raised in another file of the code under test than the one checked: that file and its frame
+        ctx.fail(raised_message(exc), **dict({k: v for k, v in where.items() if k != "kernel"},
+                                             file=frame[0], symbol=frame[1]))
+
+
 def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     """``fn()`` (checks that report on ``ctx``) in a forked child when the probe runs on the CPU, so
     that a crash of the code under test (a segfault in native code, a heap an out-of-bounds kernel
@@ -433,80 +449,147 @@ def isolated(ctx, fn, checker: Checker | None = None, **where: str):
     kernel's illegal memory access, a device-side assert: sticky, every later call fails) is one
     failure at ``where``, and every later ``isolated`` call of the probe is skipped (``device_lost``).
     Returns (completed, fn's value); an exception from ``fn`` is a failure at ``where`` too."""
+    return isolated_all(ctx, [(fn, where)], checker)[0]
+
+
+def isolated_all(ctx, calls: list, checker: Checker | None = None) -> list[tuple[bool, object]]:
+    """:func:`isolated` for each ``(fn, where)`` of ``calls``, whose ``fn`` must not depend on one another:
+    (completed, value) of each, in order, and their findings, metrics and ``checker`` errors reported in that
+    order.  On the CPU one runs at a time, and more at once while the harness has slots idle that it lends
+    (``feedback.jobserver``: a probe beside this one has ended and no probe waits), each in a child of its own."""
+    import os
+
+    if device_lost(ctx):
+        return [(False, None)] * len(calls)
+    if ctx.device != "cpu" or not hasattr(os, "fork"):
+        return [_in_process(ctx, fn, checker, where) for fn, where in calls]
+    return [_collect(ctx, child, checker, where) for child, (_, where) in zip(_forked(ctx, calls, checker), calls)]
+
+
+def _in_process(ctx, fn, checker: Checker | None, where: dict) -> tuple[bool, object]:
+    if device_lost(ctx):
+        return False, None
+    try:
+        value = fn()
+        _synchronize(ctx.device)  # a kernel's fault surfaces at a later call: here, within fn's own checks
+        return True, value
+    except Exception as exc:  # noqa: BLE001 - a failure of the code under test, located
+        fault = _device_fault(ctx.device)
+        if fault is None:
+            _raised(ctx, exc, where)
+            return False, None
+        ctx.device_lost = fault
+        ctx.fail(f"{DEVICE_FAULT} while this ran ({fault}); a kernel read or wrote out of bounds, or a device-side "
+                 "assert fired: CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer names the kernel. The probe's later "
+                 "checks on the device are skipped", **where)
+        if checker is not None:
+            checker.worst = math.inf
+        return False, None
+
+
+def _forked(ctx, calls: list, checker: Checker | None) -> list[tuple[bytes, int, bytes]]:
+    """Each call in a forked child, one at a time and one more for each slot the harness lends; (what the
+    child sent back, its wait status, faulthandler's dump of its stack) of each, in order."""
     import faulthandler
     import os
     import pickle
+    import selectors
     import signal
     import tempfile
 
-    def raised(exc: Exception) -> None:
-        oom = out_of_memory(exc, ctx.tree)
-        if oom is not None:  # where an allocation failed says nothing of who holds the memory
-            ctx.fail(oom, **where)
-            return
-        frame = culprit(exc, ctx.tree)
-        if frame is None or frame[0] == where.get("file"):
-            ctx.fail(raised_message(exc), **where)
-        else:  # raised in another file of the code under test than the one checked: that file and its frame
-            ctx.fail(raised_message(exc), **dict({k: v for k, v in where.items() if k != "kernel"},
-                                                 file=frame[0], symbol=frame[1]))
+    from feedback import jobserver
 
-    if device_lost(ctx):
-        return False, None
-    if ctx.device != "cpu" or not hasattr(os, "fork"):
-        try:
-            value = fn()
-            _synchronize(ctx.device)  # a kernel's fault surfaces at a later call: here, within fn's own checks
-            return True, value
-        except Exception as exc:  # noqa: BLE001 - a failure of the code under test, located
-            fault = _device_fault(ctx.device)
-            if fault is None:
-                raised(exc)
-                return False, None
-            ctx.device_lost = fault
-            ctx.fail(f"{DEVICE_FAULT} while this ran ({fault}); a kernel read or wrote out of bounds, or a device-side "
-                     "assert fired: CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer names the kernel. The probe's later "
-                     "checks on the device are skipped", **where)
-            if checker is not None:
-                checker.worst = math.inf
-            return False, None
     before = len(ctx.findings)
-    with tempfile.TemporaryFile() as trace:  # the child's Python stack at a crash, from faulthandler
+    pending, running, lent = list(range(len(calls))), {}, []
+    out: list = [None] * len(calls)
+    sel = selectors.DefaultSelector()
+
+    def start(i: int) -> None:
+        # the child's Python stack at a crash, from faulthandler (closed once the child has ended)
+        trace = tempfile.TemporaryFile()  # noqa: SIM115
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: run, send back what it found, leave without any cleanup
             os.close(read)
+            for slot in lent:  # its parent's to give back: a child's copy would keep the slot held
+                os.close(slot.fd)
             faulthandler.enable(file=trace, all_threads=False)
             code, done, value = 0, True, None
             try:
-                value = fn()
+                value = calls[i][0]()
             except Exception as exc:  # noqa: BLE001 - reported like any failure of the code under test
-                raised(exc)
+                _raised(ctx, exc, calls[i][1])
                 done = False
             try:
                 state = (checker.worst, checker.others) if checker is not None else None
-                with os.fdopen(write, "wb") as out:
-                    pickle.dump((done, value, ctx.findings[before:], ctx.failed, ctx.metrics, state), out)
+                with os.fdopen(write, "wb") as send:
+                    pickle.dump((done, value, ctx.findings[before:], ctx.failed, ctx.metrics, state), send)
             except BaseException:  # noqa: BLE001 - nothing to send: the parent reports a crash
                 code = 1
             os._exit(code)
         os.close(write)
-        with os.fdopen(read, "rb") as inp:
-            data = inp.read()
-        _, status = os.waitpid(pid, 0)
-        try:
-            done, value, findings, failed, metrics, state = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - the child died before it could answer
-            how = (signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
-                   else f"exit status {os.WEXITSTATUS(status)}")
-            trace.seek(0)
-            frame = _crash_frame(trace.read().decode(errors="replace"), ctx.tree)
-            if frame is not None:
-                where = dict(where, file=frame[0], symbol=frame[1])
-            ctx.fail(f"the code under test crashed the process ({how})", **where)
-            if checker is not None:
-                checker.worst = math.inf
-            return False, None
+        running[read] = (i, pid, trace, [])
+        sel.register(read, selectors.EVENT_READ)
+
+    try:
+        while pending or running:
+            while pending and (len(running) < 1 + len(lent) or _borrow(lent, jobserver)):
+                start(pending.pop(0))
+            while lent and len(running) + len(pending) < 1 + len(lent):
+                lent.pop().release()  # no case left for it: the harness has it back at once
+            for key, _ in sel.select(timeout=jobserver.POLL_S if pending else None):
+                i, pid, trace, chunks = running[key.fd]
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    chunks.append(chunk)
+                    continue
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                del running[key.fd]
+                _, status = os.waitpid(pid, 0)
+                trace.seek(0)
+                out[i] = (b"".join(chunks), status, trace.read())
+                trace.close()
+    finally:  # the probe stopped (Ctrl-C, its budget): no child outlives it, no slot stays borrowed
+        for fd, (_, pid, trace, _) in running.items():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(fd)
+            trace.close()
+        for slot in lent:
+            slot.release()
+        sel.close()
+    return out
+
+
+def _borrow(lent: list, jobserver) -> bool:
+    slot = jobserver.lend()
+    if slot is not None:
+        lent.append(slot)
+    return slot is not None
+
+
+def _collect(ctx, child: tuple[bytes, int, bytes], checker: Checker | None, where: dict) -> tuple[bool, object]:
+    """A forked child's answer reported on ``ctx``: its findings, failure, metrics and checker state; or, where
+    it died before answering, a crash located at the innermost frame of its stack dump in the tree."""
+    import os
+    import pickle
+    import signal
+
+    data, status, dump = child
+    try:
+        done, value, findings, failed, metrics, state = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - the child died before it could answer
+        how = (signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status)
+               else f"exit status {os.WEXITSTATUS(status)}")
+        frame = _crash_frame(dump.decode(errors="replace"), ctx.tree)
+        if frame is not None:
+            where = dict(where, file=frame[0], symbol=frame[1])
+        ctx.fail(f"the code under test crashed the process ({how})", **where)
+        if checker is not None:
+            checker.worst = math.inf
+        return False, None
     ctx.findings.extend(findings)
     ctx.failed |= failed
     ctx.metrics.update(metrics)

@@ -156,3 +156,75 @@ def test_running_out_of_device_memory_is_located_at_the_check_not_at_the_failed_
     assert (other.location.file, other.location.symbol) == ("target_stack/ops/alloc.py", "grow (line 5)")
     assert chk.worst == math.inf
 
+
+
+def _spans(n: int, sleep: float, crash: int | None = None):
+    """n independent calls that each report a finding, take ``sleep`` seconds and return their (start, end)
+    times; call ``crash`` kills its own process instead."""
+    import os
+    import signal
+    import time
+
+    def call(i: int, ctx):
+        def run():
+            t0 = time.time()
+            if i == crash:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(sleep)
+            ctx.check(False, f"case {i}", file="target_stack/ops/kern.py", condition=f"case={i}")
+            return t0, time.time()
+        return run, dict(file="target_stack/ops/kern.py", condition=f"case={i}")
+
+    return call
+
+
+def test_independent_checks_run_at_once_only_on_the_slots_the_harness_lends(tmp_path, monkeypatch):
+    from feedback import jobserver
+    from feedback.probe import ProbeContext
+
+    call = _spans(3, 0.6)
+    monkeypatch.delenv(jobserver.SLOTS_VAR, raising=False)
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    ctx._device = "cpu"
+    alone = ref.isolated_all(ctx, [call(i, ctx) for i in range(3)])
+    assert all(done for done, _ in alone)
+    spans = [v for _, v in alone]
+    assert all(spans[i + 1][0] >= spans[i][1] for i in range(2))  # nothing lent: one after another
+    assert [f.message for f in ctx.findings] == ["case 0", "case 1", "case 2"]
+
+    slots = jobserver.Slots(3)  # the harness holds one for this probe; the other two idle
+    try:
+        mine = slots.acquire()
+        monkeypatch.setenv(jobserver.SLOTS_VAR, str(slots.path))
+        ctx = ProbeContext("p", {}, str(tmp_path))
+        ctx._device = "cpu"
+        together = ref.isolated_all(ctx, [call(i, ctx) for i in range(3)])
+        spans = [v for _, v in together]
+        assert max(s for s, _ in spans) < min(e for _, e in spans)  # all three at once
+        assert [f.message for f in ctx.findings] == ["case 0", "case 1", "case 2"]  # reported in order
+        lent = [jobserver.lend() for _ in range(2)]
+        assert all(s is not None for s in lent)  # both borrowed slots are back
+        for s in lent:
+            s.release()
+        mine.release()
+    finally:
+        slots.close()
+
+
+def test_a_check_that_crashes_beside_others_is_located_and_the_others_complete(tmp_path, monkeypatch):
+    from feedback import jobserver
+    from feedback.probe import ProbeContext
+
+    slots = jobserver.Slots(2)
+    try:
+        monkeypatch.setenv(jobserver.SLOTS_VAR, str(slots.path))
+        ctx = ProbeContext("p", {}, str(tmp_path))
+        ctx._device = "cpu"
+        call = _spans(3, 0.2, crash=1)
+        results = ref.isolated_all(ctx, [call(i, ctx) for i in range(3)])
+        assert [done for done, _ in results] == [True, False, True]
+        messages = [f.message for f in ctx.findings]
+        assert messages[0] == "case 0" and messages[2] == "case 2"
+        assert "crashed the process (SIGSEGV)" in messages[1] and ctx.findings[1].location.condition == "case=1"
+    finally:
+        slots.close()
