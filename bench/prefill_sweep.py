@@ -38,7 +38,6 @@ VARIANTS = {
     "output w8": {"output_warps": 8},
     "output BV128": {"output_bv": 128},
     "earlier launch: state BV32 + output w8": {"state_bv": 32, "output_warps": 8},
-    "split w/u": {"split_wu": True},
 }
 #: more of the space, with ``--wide``
 WIDE = {
@@ -50,9 +49,6 @@ WIDE = {
     "diag heads 4": {"diag_heads": 4},
     "diag warps 2": {"diag_warps": 2},
     "solve warps 8": {"solve_warps": 8},
-    "split w/u w2": {"split_wu": True, "wu_warps": 2},
-    "split w/u w8": {"split_wu": True, "wu_warps": 8},
-    "split w/u + solve keys 128": {"split_wu": True, "solve_keys": 128},
 }
 
 

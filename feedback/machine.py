@@ -15,6 +15,13 @@ def gpu_present() -> bool:
     return pathlib.Path("/dev/nvidia0").exists() or pathlib.Path("/dev/nvidiactl").exists()
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or ``taskset``'s share)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def gpu_count() -> int:
     """NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` respected), counted without importing torch."""
     if not gpu_present():

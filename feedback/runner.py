@@ -240,6 +240,12 @@ class Runner:
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONFAULTHANDLER"] = "1"  # a probe killed by a signal still says where it was (crash_site)
         env[HARNESS_PID] = str(os.getpid())  # the probe dies with the harness (feedback/lifeline.py)
+        if "OMP_NUM_THREADS" not in env:
+            # the cores shared among the ``jobs`` probes that run at once: torch's OpenMP threads of parallel probes
+            # would oversubscribe the machine, and libgomp's spinning barriers then stall (a 2 s probe ran past its
+            # 60 s budget on a 2-core machine beside a probe with three worker processes; bench/RESULTS.md,
+            # 2026-12-06d).  A value in the environment or the manifest's ``env:`` is kept.
+            env["OMP_NUM_THREADS"] = str(max(1, machine.cpu_cores() // self.jobs))
         if self._slots is not None:  # the harness's idle slots, which a probe may borrow (feedback/jobserver.py);
             env[jobserver.SLOTS_VAR] = str(self._slots.path)  # none where no slot is held for it (a Ray worker)
         if self.manifest.preload:  # what the warm probe server imports besides its own (feedback/forkserver.py)

@@ -14,7 +14,7 @@ from target_stack.ops.kda.testing import DEVICE, make_inputs, rel_err
 
 ALL = {**VARIANTS, **WIDE}
 #: knobs the interpreter sees (it ignores warps, and output_bv is the 16-bit inputs' alone); on a GPU every variant
-SHAPES = {"state_bv", "state_stages", "diag_heads", "solve_keys", "split_wu"}
+SHAPES = {"state_bv", "state_stages", "diag_heads", "solve_keys"}
 RUN = [n for n, over in ALL.items() if DEVICE != "cpu" or SHAPES & set(over)]
 
 

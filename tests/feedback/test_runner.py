@@ -229,3 +229,35 @@ def test_a_result_cached_on_one_gpu_model_is_not_served_on_another(toy, tmp_path
         monkeypatch.setattr(machine, "driver_gpu_model", lambda model=model: model)
         keys[model] = runner_mod.Runner(toy, manifest, cache_dir=str(toy / ".cache")).cache_key(manifest.probes[0])
     assert len(set(keys.values())) == 3
+
+
+_THREADS_PROBE = '''
+import torch
+from feedback.probe import probe
+
+@probe
+def threads(ctx):
+    ctx.metric("threads", float(torch.get_num_threads()))
+'''
+
+
+def test_parallel_probes_share_the_cores_and_a_thread_count_that_is_set_is_kept(tmp_path, monkeypatch):
+    """Each probe's torch gets the cores divided among the probes that run at once (warm from the fork server
+    or cold); an ``OMP_NUM_THREADS`` the caller set is left as it is."""
+
+    (tmp_path / "th").mkdir()
+    (tmp_path / "th" / "__init__.py").write_text("")
+    (tmp_path / "th" / "probes.py").write_text(_THREADS_PROBE)
+    (tmp_path / "infra-agent.yaml").write_text(
+        "schema_version: 1\nname: threads\nprobes:\n"
+        "  - {id: t, kind: correctness, entry: 'th.probes:threads'}\n")
+    # two cores however many this machine has (torch takes no more threads than the machine's cores)
+    monkeypatch.setattr(machine, "cpu_cores", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for jobs, warm, want in [(1, "1", 2), (2, "1", 1), (2, "0", 1), (1, "0", 2)]:
+        monkeypatch.setenv("INFRA_AGENT_FORKSERVER", warm)
+        report = judge(tmp_path, run_all=True, jobs=jobs, use_cache=False)
+        assert report.results[0].metrics["threads"].value == want, (jobs, warm, report.results[0].reason)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    report = judge(tmp_path, run_all=True, jobs=1, use_cache=False)
+    assert report.results[0].metrics["threads"].value == 1

@@ -157,30 +157,6 @@ def test_the_solve_s_key_slices_give_the_same_prefill(keys, gen, monkeypatch):
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
-def test_the_solve_s_third_pass_as_a_launch_of_its_own_is_the_same_prefill(gen, monkeypatch):
-    """``LAUNCH["split_wu"]``: the solve stores T and ``_kda_wu_kernel`` forms w = T (k exp(G)) in place and
-    u = T v, a program per slice, chunk and head.  48 keys in three slices of 16, 80 values in two slices (the
-    second part masked), packed sequences that end inside a chunk and one shorter than a block: exact
-    against float64 and equal to the solve doing it itself."""
-    from target_stack.ops.kda import chunk as chunk_module
-
-    monkeypatch.setitem(chunk_module.LAUNCH, "solve_keys", 16)
-    lens = [9, 70, 3, 64]
-    T, H, K, V = sum(lens), 2, 48, 80
-    x = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    outs = {}
-    for split in (False, True):
-        monkeypatch.setitem(chunk_module.LAUNCH, "split_wu", split)
-        outs[split] = chunk_kda(*x, output_final_state=True, cu_seqlens=cu)
-    o, s = outs[True]
-    for n in range(len(lens)):
-        a, b = cu[n].item(), cu[n + 1].item()
-        ro, rs = ref64(*(t[:, a:b] for t in x))
-        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
-    assert rel_err(o, outs[False][0]) < 1e-6 and rel_err(s, outs[False][1]) < 1e-6
-
-
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)
 def test_chunk_kda_large_decay_does_not_overflow(T, gen):
     """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""

@@ -48,12 +48,9 @@ FUSE_OUTPUT = False
 #: and 64-wide slices (338 us prefill) before 128-wide (401), 8 warps (434) or a register cap (361-410).
 #: Warps of the state program, and value tile and warps of an output program for 16-bit inputs (fp32 inputs
 #: take min(V, 64) and 4 warps): on an H100 (2026-12-06b) 4 output warps took the prefill at 4096 / 32768
-#: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4.
-#: ``split_wu``: the solve's third pass (w = T (k exp(G)), u = T v) as ``_kda_wu_kernel``, a launch of its own
-#: over slices, chunks and heads with ``wu_warps`` warps, as flash-linear-attention splits it; off until a GPU
-#: shows it faster (``bench/prefill_sweep.py``'s "split w/u" rows)
+#: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4
 LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64,
-          "state_warps": 4, "output_bv": 64, "output_warps": 4, "split_wu": False, "wu_warps": 4}
+          "state_warps": 4, "output_bv": 64, "output_warps": 4}
 
 CHUNK_SIZE = 64
 
@@ -155,13 +152,13 @@ def _kda_diag_block_kernel(
 
 @triton.jit
 def _kda_solve_kernel(
-    q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, Tm,
+    q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast,
     cu_seqlens, chunk_seq, chunk_pos,
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
     LOG2_BT: tl.constexpr, LOG2_BC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr, STORE_T: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
     """Everything else of one chunk and head that is parallel over chunks, in three passes:
 
@@ -171,8 +168,7 @@ def _kda_solve_kernel(
        summed over the slices; and what the later kernels read instead of G: kd = k exp(G_last - G) and
        G_last (the state kernel), qg = scale q exp(G) (the output kernel), k exp(G) (kept in ``w``);
     2. the diagonal blocks from ``Akd``, then the UT transform T = (I + Diag(b) L)^-1 Diag(b);
-    3. w = T (exp(G) k) over the same slices, u = T v over slices of BV value channels; or (STORE_T) T to
-       ``Tm`` for ``_kda_wu_kernel`` to do that.
+    3. w = T (exp(G) k) over the same slices, u = T v over slices of BV value channels.
 
     Only [BT, BK] slices and the [BT, BT] matrices are ever live.  w, u, kd and qg are stored in their
     buffers' dtype: 16-bit for 16-bit inputs, as the products take them anyway."""
@@ -249,56 +245,20 @@ def _kda_solve_kernel(
     if LOWP:
         b_T = b_T.to(tl.bfloat16)  # what its products take, converted once
 
-    if STORE_T:  # pass 3 is ``_kda_wu_kernel``'s, over (slice, chunk, head): T goes to memory once
-        tl.store(Tm + off_tt, b_T.to(Tm.dtype.element_ty), mask=m_t[:, None])
-    else:
-        tl.debug_barrier()  # pass 1's k exp(G) in ``w``, written by other threads of this program
-        for i_k in range(0, (K + BK - 1) // BK):
-            o_k = i_k * BK + tl.arange(0, BK)
-            _transform_slice(b_T, w, w, t0, i_h, m_t, o_k, H, K, BT, LOWP, DOT_PRECISION, True)
-        for i_v in range(0, (V + BV - 1) // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            _transform_slice(b_T, v, u, t0, i_h, m_t, o_v, H, V, BT, LOWP, DOT_PRECISION, False)
-
-
-@triton.jit
-def _transform_slice(b_T, x, y, t0, i_h, m_t, o_c, H: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
-                     LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr, IN_PLACE: tl.constexpr):
-    """y[chunk, :, slice] = T x[chunk, :, slice] for one chunk and head, over channels ``o_c`` of C.  With
-    IN_PLACE ``x`` is ``y`` (w = T (k exp(G))): every thread has read its part before any part is written."""
-    rows = tl.arange(0, BT)
-    m_tc = m_t[:, None] & (o_c < C)[None, :]
-    off = ((t0 + rows) * H + i_h)[:, None] * C + o_c[None, :]
-    b_x = tl.load(x + off, mask=m_tc, other=0.0)
-    if IN_PLACE:
-        tl.debug_barrier()
-    tl.store(y + off, _dot(b_T, b_x, LOWP, DOT_PRECISION).to(y.dtype.element_ty), mask=m_tc)
-
-
-@triton.jit
-def _kda_wu_kernel(
-    Tm, v, w, u, cu_seqlens, chunk_seq, chunk_pos,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The solve's pass 3 as a launch of its own (``LAUNCH["split_wu"]``): one program per slice of keys or
-    values, chunk and head, reading the T the solve stored, so a chunk's T v and T (k exp(G)) products run
-    in parallel rather than one after another in the solve's program.  Slices 0 .. ceil(K/BK) - 1 are w's
-    (in place, over the k exp(G) the solve left there), the rest u's."""
-    i_s = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    t0, eos = _chunk_span(cu_seqlens, chunk_seq, chunk_pos, i_c, BT)
-    rows = tl.arange(0, BT)
-    m_t = (t0 + rows) < eos
-    b_T = tl.load(Tm + ((t0 + rows) * H + i_h)[:, None] * BT + rows[None, :], mask=m_t[:, None], other=0.0)
-    NK = (K + BK - 1) // BK
-    if i_s < NK:
-        o_k = i_s * BK + tl.arange(0, BK)
-        _transform_slice(b_T, w, w, t0, i_h, m_t, o_k, H, K, BT, LOWP, DOT_PRECISION, True)
-    else:
-        o_v = (i_s - NK) * BV + tl.arange(0, BV)
-        _transform_slice(b_T, v, u, t0, i_h, m_t, o_v, H, V, BT, LOWP, DOT_PRECISION, False)
+    tl.debug_barrier()  # pass 1's k exp(G) in ``w``, written by other threads of this program
+    for i_k in range(0, (K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        b_kg = tl.load(w + off_tk, mask=m_tk, other=0.0)
+        tl.debug_barrier()  # every thread has read its part of the slice before any overwrites it
+        tl.store(w + off_tk, _dot(b_T, b_kg, LOWP, DOT_PRECISION).to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(0, (V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        off_tv = ((t0 + rows) * H + i_h)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + off_tv, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(u + off_tv, _dot(b_T, b_v, LOWP, DOT_PRECISION).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -573,19 +533,12 @@ def chunk_kda_fwd(
     qg = alloc(B, T, H, K, **mid)
     glast = alloc(NT, H, K, **f32)
     BKS, BVS = solve_tiles(BK, BV, lowp)
-    split = LAUNCH["split_wu"]
-    Tm = alloc(B, T, H, BT, **mid) if split else None  # T, where pass 3 is a launch of its own
     _kda_solve_kernel[(NT, H)](
-        q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, Tm, cu_seqlens, chunk_seq, chunk_pos, scale,
+        q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BVS, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
-        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision, STORE_T=split,
+        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
         num_warps=LAUNCH["solve_warps"],
     )
-    if split:
-        _kda_wu_kernel[(triton.cdiv(K, BKS) + triton.cdiv(V, BVS), NT, H)](
-            Tm, v, w, u, cu_seqlens, chunk_seq, chunk_pos, H=H, K=K, V=V, BT=BT, BK=BKS, BV=BVS,
-            LOWP=lowp, DOT_PRECISION=precision, num_warps=LAUNCH["wu_warps"],
-        )
     fuse = FUSE_OUTPUT if fuse_output is None else fuse_output
     if not fuse:
         h = alloc(NT, H, K, V, **mid)  # per-chunk entering states and corrected values: read by
