@@ -244,7 +244,6 @@ def threads(ctx):
 def test_parallel_probes_share_the_cores_and_a_thread_count_that_is_set_is_kept(tmp_path, monkeypatch):
     """Each probe's torch gets the cores divided among the probes that run at once (warm from the fork server
     or cold); an ``OMP_NUM_THREADS`` the caller set is left as it is."""
-
     (tmp_path / "th").mkdir()
     (tmp_path / "th" / "__init__.py").write_text("")
     (tmp_path / "th" / "probes.py").write_text(_THREADS_PROBE)
