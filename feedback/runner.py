@@ -137,7 +137,8 @@ class Runner:
         self.executor = executor
         self._digests: dict[str, str | None] = {}
         # the slots of ``jobs``: a probe run here holds one, and may borrow those that idle
-        # (feedback/jobserver.py); made on first use, so a runner that runs nothing makes no folder
+        # (feedback/jobserver.py); made on first use, so a runner that runs nothing makes no folder, and
+        # removed with the runner
         self._slots: jobserver.Slots | None = None
         self._slots_lock = threading.Lock()
 
@@ -218,11 +219,6 @@ class Runner:
             if self._slots is None:
                 self._slots = jobserver.Slots(self.jobs)
             return self._slots
-
-    def close(self) -> None:
-        """Remove the slots folder (also done when the runner is collected)."""
-        if self._slots is not None:
-            self._slots.close()
 
     def env(self, spec: ProbeSpec | None = None) -> dict[str, str]:
         # no credentials: a probe (and the candidate code it imports) has no use for them, and whatever

@@ -130,3 +130,20 @@ def test_one_job_lends_nothing(tmp_path):
     report = judge(_tree(tmp_path / "t", log, wait=2.0), run_all=True, jobs=1, use_cache=False)
     assert report.passed, report.results
     assert "none" in _log(log) and "lent" not in _log(log)
+
+
+def test_a_runner_s_slots_folder_goes_with_it(tmp_path):
+    import gc
+
+    from feedback.manifest import load_manifest
+    from feedback.runner import Runner
+
+    tree = _tree(tmp_path / "t", tmp_path / "log.txt", wait=0.1)
+    runner = Runner(tree, load_manifest(tree), jobs=1, use_cache=False)
+    (result,) = runner.run([runner.manifest.probe("b")])
+    assert result.status.value == "pass", result.reason
+    folder = runner._slots.path
+    assert folder.is_dir()
+    del runner
+    gc.collect()
+    assert not folder.exists()
