@@ -190,3 +190,17 @@ def test_the_witness_fails_a_probe_clock_that_disagrees_with_the_harness_clock()
     assert slow.status == Status.failed and "the harness's clock 2.0000 s" in slow.findings[0].message
     unseen = witnessed(_result(op=1.0), [(10.0, "op B")])  # the loop never ended where the harness could see
     assert unseen.status == Status.failed and "never saw it begin and end" in unseen.findings[0].message
+
+
+@pytest.mark.parametrize("n", [16_384, 262_144, 4_194_304])  # 192 KB (in cache), 3 MB, 48 MB (past it)
+def test_an_honest_call_is_never_faster_than_its_floor_at_any_cache_level(n):
+    # a CPU does not flush its caches between calls: a small call's fresh inputs sit in cache and beat
+    # a DRAM-sized copy, so the floor is a copy of the call's own size (bench/RESULTS.md, 2026-12-06d)
+    from feedback.timing import measure
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = measure(lambda i: (torch.randn(n, device=device), torch.randn(n, device=device)), torch.add,
+                lambda before, after, out: float((out - before[0] - before[1]).abs().max()), device=device,
+                reps=10, bytes_moved=3 * 4 * n)
+    assert not t.problems, t.problems
+    assert 0 < t.floor_s <= t.median_s * 1.05 and t.copy_bytes_per_s > 0
