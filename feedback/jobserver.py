@@ -44,12 +44,6 @@ class Lent:
             os.close(self.fd)  # closing the only descriptor of the open file drops its lock
             self.fd = -1
 
-    def __enter__(self) -> Lent:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 def _take(folder: pathlib.Path, n: int) -> Lent | None:
     """One free slot of ``folder``'s ``n``, locked without waiting; None when all are held."""

@@ -533,7 +533,11 @@ def _forked(ctx, calls: list, checker: Checker | None) -> list[tuple[bytes, int,
 
     try:
         while pending or running:
-            while pending and (len(running) < 1 + len(lent) or _borrow(lent, jobserver)):
+            while pending:  # one case runs on the probe's own slot, one more on each lent slot
+                if len(running) >= 1 + len(lent):
+                    if (slot := jobserver.lend()) is None:
+                        break
+                    lent.append(slot)
                 start(pending.pop(0))
             while lent and len(running) + len(pending) < 1 + len(lent):
                 lent.pop().release()  # no case left for it: the harness has it back at once
@@ -561,13 +565,6 @@ def _forked(ctx, calls: list, checker: Checker | None) -> list[tuple[bytes, int,
             slot.release()
         sel.close()
     return out
-
-
-def _borrow(lent: list, jobserver) -> bool:
-    slot = jobserver.lend()
-    if slot is not None:
-        lent.append(slot)
-    return slot is not None
 
 
 def _collect(ctx, child: tuple[bytes, int, bytes], checker: Checker | None, where: dict) -> tuple[bool, object]:
