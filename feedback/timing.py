@@ -67,7 +67,8 @@ def _watched() -> dict[str, object]:
     out["feedback.timing._clock"] = globals()["_clock"]
     for mod in ("feedback.timing", "feedback.microbench"):
         m = sys.modules.get(mod)
-        for n in ("measure", "copy_bandwidth", "time_fn", "time_once", "ab_compare", "roofline_check", "witness"):
+        for n in ("measure", "copy_bandwidth", "device_kind", "time_fn", "time_once", "ab_compare", "roofline_check",
+                  "witness"):
             if m is not None and hasattr(m, n):
                 out[f"{mod}.{n}"] = getattr(m, n)
     return out
@@ -162,6 +163,25 @@ def _not_materialised(outputs: Any) -> str | None:
     return None
 
 
+def device_kind(device: Any) -> str:
+    """``"cuda"`` or ``"cpu"``: the clock a timing on ``device`` (a name or a ``torch.device``) needs.
+
+    A GPU is timed with events on its current stream, so a numbered one must be the current device;
+    any other kind (``mps``, ``xpu``, ``meta``) would be timed by a host clock that does not wait for
+    it, and is refused rather than timed wrong."""
+    import torch
+
+    d = torch.device(device)
+    if d.type == "cuda":
+        if d.index is not None and torch.cuda.is_available() and d.index != torch.cuda.current_device():
+            raise ValueError(f"cannot time on {device!r}: the current CUDA device is "
+                             f"{torch.cuda.current_device()} (select it first: torch.cuda.set_device({d.index}))")
+        return "cuda"
+    if d.type == "cpu":
+        return "cpu"
+    raise ValueError(f"cannot time on {device!r}: the harness times a CUDA GPU (events) or the CPU (its clock)")
+
+
 def copy_bandwidth(device: str, nbytes: int | None = None) -> float:
     """Bytes per second (read + write) of a plain copy of ``nbytes`` on ``device``, by the harness's clock.
 
@@ -173,6 +193,7 @@ def copy_bandwidth(device: str, nbytes: int | None = None) -> float:
     """
     import torch
 
+    device = device_kind(device)
     cuda = device == "cuda"
     size = 2**28 if cuda else int(min(max((nbytes or 2**27) // 2, 2**16), 2**26))  # the copy moves 2x this
     src = torch.empty(size, dtype=torch.uint8, device=device)
@@ -236,7 +257,7 @@ def _sync(device: str) -> None:
 
 
 def measure(make: Callable[[int], Sequence[Any]], call: Callable[..., Any],
-            check: Callable[[Sequence[Any], Sequence[Any], Any], float] | None, *, device: str, tag: str = "timed",
+            check: Callable[[Sequence[Any], Sequence[Any], Any], float] | None, *, device: Any, tag: str = "timed",
             reps: int = 20, warmup: int = 3, recheck: int = 3, tol: float = 1e-3, bytes_moved: float = 0.0,
             flops: float = 0.0, peak_flops: float = 0.0, slack: float = 1.05) -> Timing:
     """Time ``call(*make(i))`` for ``reps`` fresh inputs; re-check outputs after timing (module docstring).
@@ -246,6 +267,7 @@ def measure(make: Callable[[int], Sequence[Any]], call: Callable[..., Any],
     """
     import torch
 
+    device = device_kind(device)
     cuda = device == "cuda"
     if cuda and not _torch:
         arm()

@@ -204,3 +204,22 @@ def test_an_honest_call_is_never_faster_than_its_floor_at_any_cache_level(n):
                 reps=10, bytes_moved=3 * 4 * n)
     assert not t.problems, t.problems
     assert 0 < t.floor_s <= t.median_s * 1.05 and t.copy_bytes_per_s > 0
+
+
+def test_a_device_is_timed_by_its_own_clock_or_refused():
+    # "cuda:0" once fell through to the host clock (no event, no synchronize): a GPU call timed by its launch
+    from feedback.timing import device_kind, measure
+
+    assert device_kind("cpu") == device_kind(torch.device("cpu")) == device_kind("cpu:0") == "cpu"
+    assert device_kind("cuda") == device_kind(torch.device("cuda")) == "cuda"
+    if torch.cuda.is_available():
+        assert device_kind(f"cuda:{torch.cuda.current_device()}") == "cuda"
+        if torch.cuda.device_count() > 1:
+            other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+            with pytest.raises(ValueError, match="current CUDA device"):
+                device_kind(f"cuda:{other}")
+    for odd in ("meta", "mps"):
+        with pytest.raises(ValueError, match="CUDA GPU .events. or the CPU"):
+            measure(lambda i: (torch.randn(8),), torch.neg, None, device=odd)
+    t = measure(lambda i: (torch.randn(4096),), torch.neg, None, device=torch.device("cpu"), reps=4, bytes_moved=32768)
+    assert t.device == "cpu" and t.median_s > 0 and not t.problems, t.problems
