@@ -42,7 +42,7 @@ import tarfile
 import tempfile
 import threading
 
-from feedback.machine import driver_gpu_model
+from feedback.machine import cpu_cores, driver_gpu_model
 from feedback.manifest import Manifest, ProbeSpec
 from feedback.models import ProbeResult, Status
 from feedback.state import SKIP_PARTS
@@ -145,8 +145,10 @@ class RayExecutor:
 
     def __init__(self, address: str | None = None, num_cpus: int | None = None, grace_s: float = 120.0,
                  num_gpus: int | None = None):
-        """``num_cpus``, ``num_gpus``: the local instance's (started where there is no ``address``); Ray finds
-        the GPUs itself by default, and a count it is given is logical (tests on a CPU machine)."""
+        """``num_cpus``, ``num_gpus``: the local instance's (started where there is no ``address``).  Its CPUs are
+        by default the cores this process may run on (a container's or ``taskset``'s share, not the host's:
+        more would start probes the cores cannot run); Ray finds the GPUs itself by default, and a count it is
+        given is logical (tests on a CPU machine)."""
         try:
             import ray
         except ImportError as exc:
@@ -157,7 +159,7 @@ class RayExecutor:
         if self.connected:
             kwargs = dict(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
             if address is None:
-                kwargs.update(num_cpus=num_cpus or os.cpu_count() or 2)
+                kwargs.update(num_cpus=num_cpus or cpu_cores())  # the cores this process may use, not the host's
                 if num_gpus is not None:
                     kwargs.update(num_gpus=num_gpus)
             ray.init(**kwargs)

@@ -141,3 +141,28 @@ def test_a_manifest_kept_outside_the_tree_travels_with_its_probe_modules(tmp_pat
     assert r.status == Status.passed, (r.reason, r.stderr[-1500:])
     assert r.metrics["from_tree"].value == 7.0 and r.ran_on.startswith("ray node")
     assert r.metrics["probe_file_len"].value == len((judges / "outside_probes.py").read_text())
+
+
+def test_a_started_instance_offers_the_cores_this_process_may_use_not_the_hosts(tmp_path):
+    """A process limited to one core (``taskset``, a container's cpuset) starts a Ray instance of one CPU: one
+    sized by the host's count would run more probes at once than the cores can."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    code = textwrap.dedent("""
+        import os
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import ray
+        from feedback.ray_executor import RayExecutor
+        with RayExecutor():
+            print("CPU", int(ray.cluster_resources()["CPU"]))
+    """)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CPU 1" in out.stdout.splitlines(), (out.stdout, out.stderr[-1000:])
