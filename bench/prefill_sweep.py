@@ -38,7 +38,6 @@ VARIANTS = {
     "output w8": {"output_warps": 8},
     "output BV128": {"output_bv": 128},
     "earlier launch: state BV32 + output w8": {"state_bv": 32, "output_warps": 8},
-    "solve factored": {"solve_factored": True},
 }
 #: more of the space, with ``--wide``
 WIDE = {

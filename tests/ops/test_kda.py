@@ -157,27 +157,6 @@ def test_the_solve_s_key_slices_give_the_same_prefill(keys, gen, monkeypatch):
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
-@pytest.mark.parametrize("factored", [False, True])
-@pytest.mark.parametrize("keys", [16, 64])
-def test_both_forms_of_the_off_diagonal_blocks_are_exact(factored, keys, gen, monkeypatch):
-    """The solve's off-diagonal blocks of L and P, gated around each block row's boundary, or with the gates
-    factored (``LAUNCH["solve_factored"]``: per slice two exps, per block row only the block-to-block
-    factors): exact against float64 on long memory (slow decay, where blocks two and three apart still
-    count) with a partial last chunk, and over 16-key slices as over one masked 64-key slice."""
-    from target_stack.ops.kda import chunk as chunk_module
-
-    monkeypatch.setitem(chunk_module.LAUNCH, "solve_factored", factored)
-    monkeypatch.setitem(chunk_module.LAUNCH, "solve_keys", keys)
-    q, k, v, g, beta = make_inputs(1, 150, 2, 48, 24, generator=gen, device=DEVICE, decay_shift=5.0)
-    o, s = chunk_kda(q, k, v, g, beta, output_final_state=True)
-    ro, rs = ref64(q, k, v, g, beta)
-    assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
-    # strong decay besides: every factor stays <= 1, so none overflows
-    o, s = chunk_kda(q, k, v, g - 4.0, beta, output_final_state=True)
-    ro, rs = ref64(q, k, v, g - 4.0, beta)
-    assert torch.isfinite(o).all() and rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
-
-
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)
 def test_chunk_kda_large_decay_does_not_overflow(T, gen):
     """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""

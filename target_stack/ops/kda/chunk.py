@@ -49,7 +49,7 @@ FUSE_OUTPUT = False
 #: Warps of the state program, and value tile and warps of an output program for 16-bit inputs (fp32 inputs
 #: take min(V, 64) and 4 warps): on an H100 (2026-12-06b) 4 output warps took the prefill at 4096 / 32768
 #: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4
-LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64, "solve_factored": False,
+LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64,
           "state_warps": 4, "output_bv": 64, "output_warps": 4}
 
 CHUNK_SIZE = 64
@@ -158,7 +158,7 @@ def _kda_solve_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
     LOG2_BT: tl.constexpr, LOG2_BC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr, FACTORED: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
     """Everything else of one chunk and head that is parallel over chunks, in three passes:
 
@@ -191,37 +191,15 @@ def _kda_solve_kernel(
         b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
         b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-        if FACTORED:
-            # E: G at each block's end; R: G just before each block (0 before the first).  The gates then
-            # factor as exp(G_i - G_j) = exp(G_i - R_b) exp(E_c - G_j) exp(R_b - E_c) for row block b and
-            # column block c < b, three factors <= 1: two exps over the slice, and per block row only the
-            # [NC, BK] exps of the third, broadcast along the block's rows
-            o_n = tl.arange(0, NC)
-            sub = tl.arange(0, BC)
-            b_E = tl.sum(tl.where((sub == BC - 1)[None, :, None], tl.reshape(b_gc, [NC, BC, BK]), 0.0), axis=1)
-            b_R = tl.sum(tl.where((o_n[:, None] == o_n[None, :] + 1)[:, :, None], b_E[None, :, :], 0.0), axis=1)
-            b_kr = tl.exp(b_gc - tl.reshape(tl.broadcast_to(b_R[:, None, :], [NC, BC, BK]), [BT, BK]))
-            b_qr = b_q * b_kr
-            b_kr = b_k * b_kr
-            b_kc = b_k * tl.exp(tl.reshape(tl.broadcast_to(b_E[:, None, :], [NC, BC, BK]), [BT, BK]) - b_gc)
-            for b in tl.static_range(1, NC):
-                if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
-                    r_b = tl.sum(tl.where((o_n == b)[:, None], b_R, 0.0), axis=0)
-                    f_b = tl.exp(tl.where((o_n < b)[:, None], r_b[None, :] - b_E, float("-inf")))
-                    b_kgt = tl.trans(b_kc * tl.reshape(tl.broadcast_to(f_b[:, None, :], [NC, BC, BK]), [BT, BK]))
-                    in_b = (rows // BC == b)[:, None]
-                    b_A += _dot(tl.where(in_b, b_kr, 0.0), b_kgt, LOWP, DOT_PRECISION)
-                    b_P += _dot(tl.where(in_b, b_qr, 0.0), b_kgt, LOWP, DOT_PRECISION)
-        else:
-            for b in tl.static_range(1, NC):
-                if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
-                    g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
-                    in_b = m_t & (rows // BC == b)
-                    gate = tl.exp(tl.where(in_b[:, None] & m_k[None, :], b_gc - g_ref[None, :], float("-inf")))
-                    before = (rows < b * BC)[:, None] & m_k[None, :]
-                    b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
-                    b_A += _dot(b_k * gate, b_kgt, LOWP, DOT_PRECISION)
-                    b_P += _dot(b_q * gate, b_kgt, LOWP, DOT_PRECISION)
+        for b in tl.static_range(1, NC):
+            if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
+                g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
+                in_b = m_t & (rows // BC == b)
+                gate = tl.exp(tl.where(in_b[:, None] & m_k[None, :], b_gc - g_ref[None, :], float("-inf")))
+                before = (rows < b * BC)[:, None] & m_k[None, :]
+                b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
+                b_A += _dot(b_k * gate, b_kgt, LOWP, DOT_PRECISION)
+                b_P += _dot(b_q * gate, b_kgt, LOWP, DOT_PRECISION)
         b_eg = tl.where(m_tk, tl.exp(b_gc), 0.0)
         tl.store(w + off_tk, (b_k * b_eg).to(w.dtype.element_ty), mask=m_tk)  # k exp(G), until pass 3
         tl.store(qg + off_tk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_tk)
@@ -559,7 +537,7 @@ def chunk_kda_fwd(
         q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BVS, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
         LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
-        FACTORED=LAUNCH["solve_factored"], num_warps=LAUNCH["solve_warps"],
+        num_warps=LAUNCH["solve_warps"],
     )
     fuse = FUSE_OUTPUT if fuse_output is None else fuse_output
     if not fuse:
