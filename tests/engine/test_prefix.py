@@ -4,6 +4,8 @@ eviction and preemption.  The tiny model on the CPU, fresh random prompts every 
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -186,10 +188,8 @@ def test_the_prefix_benchmark_runs_both_engines_on_the_same_turns(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (Triton KDA kernels, bf16)")
 def test_gpu_prefill_from_a_cached_prefix_equals_a_full_prefill():
     gen = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    a = prompt(gen, 300)
-    b = a + prompt(gen, 90)
 
-    def logits(dtype, cache):
+    def logits(dtype, cache, a, b):
         engine = LLMEngine(HybridModel(ModelConfig(layers=8)), device="cuda", dtype=dtype, prefix_cache=cache)
         if cache:
             engine.generate([a], SamplingParams(max_tokens=2))
@@ -197,12 +197,19 @@ def test_gpu_prefill_from_a_cached_prefix_equals_a_full_prefill():
         assert seq.reused == (288 if cache else 0)
         return out.float()
 
-    ref = logits(torch.float32, False)
-    assert rel_err(logits(torch.float32, True), ref) < 1e-4  # the same maths, chunked differently
-    # bf16: the reused prefill is as close to fp32 as a full bf16 prefill is (16-bit rounding
-    # through 8 random layers is ~10%; the Triton kernels' own error is measured in test_kda)
-    full16 = rel_err(logits(torch.bfloat16, False), ref)
-    assert rel_err(logits(torch.bfloat16, True), ref) < 2 * full16 + 0.02
+    full16, reused16 = [], []
+    for _ in range(4):
+        a = prompt(gen, 300)
+        b = a + prompt(gen, 90)
+        ref = logits(torch.float32, False, a, b)
+        assert rel_err(logits(torch.float32, True, a, b), ref) < 1e-4  # the same maths, chunked differently
+        full16.append(rel_err(logits(torch.bfloat16, False, a, b), ref))
+        reused16.append(rel_err(logits(torch.bfloat16, True, a, b), ref))
+    # bf16: the reused prefill is as close to fp32 as a full bf16 prefill is.  16-bit rounding through 8
+    # random layers is ~10% and heavy-tailed (a rounding can flip a sparse block choice): one prompt's reused
+    # error was 3.2x its full one on an H100 (bench/RESULTS.md, 2026-12-06f), so the medians of four are
+    # compared.  The Triton kernels' own error is measured in test_kda.
+    assert statistics.median(reused16) < 1.5 * statistics.median(full16) + 0.02, (full16, reused16)
 
 
 def test_the_prefix_reuse_probe_passes_here_and_catches_a_state_restored_one_token_early(monkeypatch):
