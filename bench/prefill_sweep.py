@@ -38,9 +38,6 @@ VARIANTS = {
     "output w8": {"output_warps": 8},
     "output BV128": {"output_bv": 128},
     "earlier launch: state BV32 + output w8": {"state_bv": 32, "output_warps": 8},
-    "solve by block row": {"solve_rows": True},
-    "solve by block row w8": {"solve_rows": True, "solve_warps": 8},
-    "solve by block row keys128": {"solve_rows": True, "solve_keys": 128},
 }
 #: more of the space, with ``--wide``
 WIDE = {

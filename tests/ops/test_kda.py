@@ -157,30 +157,6 @@ def test_the_solve_s_key_slices_give_the_same_prefill(keys, gen, monkeypatch):
     assert rel_err(o, ro) < TOL and rel_err(s, rs) < TOL
 
 
-@pytest.mark.parametrize("rows", [False, True])
-def test_both_orders_of_the_solve_s_off_diagonal_blocks_are_exact(rows, gen, monkeypatch):
-    """The solve's off-diagonal blocks as [BT, BT] products masked to a block row, or one block row at a time
-    (``solve_rows``): sequences ending inside a block row, one shorter than a block row (no row past the
-    first), one ending just past the last block row's start, 48 keys in three slices, slow to strong decay, an
-    initial state: exact against float64, and the two orders agree."""
-    from target_stack.ops.kda import chunk as chunk_module
-
-    monkeypatch.setitem(chunk_module.LAUNCH, "solve_rows", rows)
-    monkeypatch.setitem(chunk_module.LAUNCH, "solve_keys", 16)
-    lens = [9, 70, 49, 64, 20]
-    T, H, K, V = sum(lens), 2, 48, 16
-    q, k, v, g, beta = make_inputs(1, T, H, K, V, generator=gen, device=DEVICE)
-    g = g * torch.rand(1, 1, 1, K, generator=gen).to(DEVICE) * 4.0  # channels from slow to strong decay
-    h0 = torch.randn(len(lens), H, K, V, generator=gen).to(DEVICE)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    assert torch.isfinite(o).all()
-    for n in range(len(lens)):
-        a, b = cu[n].item(), cu[n + 1].item()
-        ro, rs = ref64(*(t[:, a:b] for t in (q, k, v, g, beta)), h0=h0[n : n + 1])
-        assert rel_err(o[:, a:b], ro) < TOL and rel_err(s[n : n + 1], rs) < TOL, n
-
-
 @pytest.mark.parametrize("T", [128, 100])  # full chunks; a partial last chunk (padding rows)
 def test_chunk_kda_large_decay_does_not_overflow(T, gen):
     """Strong forgetting (cumulative log decay far below -88 in a chunk) must stay finite and exact."""

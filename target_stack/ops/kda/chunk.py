@@ -48,11 +48,9 @@ FUSE_OUTPUT = False
 #: and 64-wide slices (338 us prefill) before 128-wide (401), 8 warps (434) or a register cap (361-410).
 #: Warps of the state program, and value tile and warps of an output program for 16-bit inputs (fp32 inputs
 #: take min(V, 64) and 4 warps): on an H100 (2026-12-06b) 4 output warps took the prefill at 4096 / 32768
-#: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4.
-#: ``solve_rows``: the solve's off-diagonal blocks one block row at a time ([BC, BT] products of the block's
-#: own rows, loaded as such) instead of as [BT, BT] products masked to that row (see ``_kda_solve_kernel``)
+#: tokens to 328.7 / 2460.7 us from 336.5 / 2486.2 at 8, and 2 or 8 state warps were slower than 4
 LAUNCH = {"diag_heads": 2, "diag_warps": 1, "solve_warps": 4, "solve_keys": 64,
-          "state_warps": 4, "output_bv": 64, "output_warps": 4, "solve_rows": False}
+          "state_warps": 4, "output_bv": 64, "output_warps": 4}
 
 CHUNK_SIZE = 64
 
@@ -153,29 +151,14 @@ def _kda_diag_block_kernel(
 
 
 @triton.jit
-def _slice_outputs(b_gc, b_k, b_q, w, qg, kd, glast, off_tk, m_tk, o_k, m_k, last, i_c, i_h, scale,
-                   H: tl.constexpr, K: tl.constexpr):
-    """What the later kernels read of one key slice instead of G (its cumulative log decay ``b_gc``):
-    k exp(G) (kept in ``w`` until the solve's last pass), qg = scale q exp(G), G_last and
-    kd = k exp(G_last - G)."""
-    b_eg = tl.where(m_tk, tl.exp(b_gc), 0.0)
-    tl.store(w + off_tk, (b_k * b_eg).to(w.dtype.element_ty), mask=m_tk)
-    tl.store(qg + off_tk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_tk)
-    g_last = tl.sum(tl.where(last, b_gc, 0.0), axis=0)
-    tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=m_k)
-    b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
-    tl.store(kd + off_tk, b_kd.to(kd.dtype.element_ty), mask=m_tk)
-
-
-@triton.jit
 def _kda_solve_kernel(
-    q, k, v, g, beta, Akd, Aoff, Pqk, w, u, kd, qg, glast,
+    q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast,
     cu_seqlens, chunk_seq, chunk_pos,
     scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NC: tl.constexpr,
     LOG2_BT: tl.constexpr, LOG2_BC: tl.constexpr, LOWP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr, ROWS: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
     """Everything else of one chunk and head that is parallel over chunks, in three passes:
 
@@ -183,10 +166,7 @@ def _kda_solve_kernel(
        other): G in registers (never stored); the off-diagonal blocks of L and P, for each block row b
        one product gated around G just before block b (G_i <= G_r <= G_j, so both gates are <= 1),
        summed over the slices; and what the later kernels read instead of G: kd = k exp(G_last - G) and
-       G_last (the state kernel), qg = scale q exp(G) (the output kernel), k exp(G) (kept in ``w``).
-       ``ROWS`` orders it by block row instead: block b's own rows, loaded as [BC, BK] tiles and gated by
-       their decay since the block's start, against the slice's earlier rows, [BC, BT] products summed
-       over the slices; L's rows go through ``Aoff`` (same program, after a barrier);
+       G_last (the state kernel), qg = scale q exp(G) (the output kernel), k exp(G) (kept in ``w``);
     2. the diagonal blocks from ``Akd``, then the UT transform T = (I + Diag(b) L)^-1 Diag(b);
     3. w = T (exp(G) k) over the same slices, u = T v over slices of BV value channels.
 
@@ -201,80 +181,34 @@ def _kda_solve_kernel(
     last = (rows == tl.minimum(eos - t0, BT) - 1)[:, None]  # the chunk's last token
     off_tt = ((t0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
 
-    n_k = (K + BK - 1) // BK
-    if ROWS:
-        # one block row at a time: its 16 rows loaded as [BC, BK] tiles, gated by their own cumulative decay
-        # from the block's start, against every earlier row of the slice; the products are [BC, BT] (a
-        # quarter of the square form's), summed over the slices in registers, then stored: P to ``Pqk``,
-        # L's off-diagonal rows to ``Aoff``, read back whole after a barrier
-        sub_r = tl.arange(0, BC)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    b_P = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, (K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
+        b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
         for b in tl.static_range(1, NC):
-            if t0 + b * BC < eos:
-                r_b = b * BC + sub_r
-                m_b = (t0 + r_b) < eos
-                b_Ar = tl.zeros([BC, BT], dtype=tl.float32)
-                b_Pr = tl.zeros([BC, BT], dtype=tl.float32)
-                for i_k in range(0, n_k):
-                    o_k = i_k * BK + tl.arange(0, BK)
-                    m_k = o_k < K
-                    m_tk = m_t[:, None] & m_k[None, :]
-                    off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-                    b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-                    b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-                    g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
-                    before = (rows < b * BC)[:, None] & m_k[None, :]
-                    b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
-                    m_bk = m_b[:, None] & m_k[None, :]
-                    off_bk = ((t0 + r_b) * H + i_h)[:, None] * K + o_k[None, :]
-                    b_gate = tl.exp(tl.cumsum(tl.load(g + off_bk, mask=m_bk, other=0.0).to(tl.float32), axis=0))
-                    b_kb = tl.load(k + off_bk, mask=m_bk, other=0.0).to(tl.float32) * b_gate
-                    b_qb = tl.load(q + off_bk, mask=m_bk, other=0.0).to(tl.float32) * b_gate
-                    b_Ar += _dot(b_kb, b_kgt, LOWP, DOT_PRECISION)
-                    b_Pr += _dot(b_qb, b_kgt, LOWP, DOT_PRECISION)
-                    if b == NC - 1:  # the last block row's pass has the whole slice: its outputs for later
-                        b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-                        _slice_outputs(b_gc, b_k, b_q, w, qg, kd, glast, off_tk, m_tk, o_k, m_k, last, i_c, i_h,
-                                       scale, H, K)
-                off_bt = ((t0 + r_b) * H + i_h)[:, None] * BT + cols[None, :]
-                m_bt = m_b[:, None] & (cols < b * BC)[None, :]
-                tl.store(Pqk + off_bt, (b_Pr * scale).to(Pqk.dtype.element_ty), mask=m_bt)
-                tl.store(Aoff + off_bt, b_Ar, mask=m_bt)
-        if t0 + (NC - 1) * BC >= eos:  # a short last chunk: no pass above had the whole slice
-            for i_k in range(0, n_k):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_tk = m_t[:, None] & m_k[None, :]
-                off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-                b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-                b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-                b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-                _slice_outputs(b_gc, b_k, b_q, w, qg, kd, glast, off_tk, m_tk, o_k, m_k, last, i_c, i_h, scale, H, K)
-        tl.debug_barrier()  # the block rows in ``Aoff``, written by other threads of this program
-        cross = m_t[:, None] & ((cols // BC)[None, :] < (rows // BC)[:, None])
-        b_A = tl.load(Aoff + off_tt, mask=cross, other=0.0)
-    else:
-        b_A = tl.zeros([BT, BT], dtype=tl.float32)
-        b_P = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, n_k):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            off_tk = ((t0 + rows) * H + i_h)[:, None] * K + o_k[None, :]
-            b_gc = tl.cumsum(tl.load(g + off_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-            b_k = tl.load(k + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-            b_q = tl.load(q + off_tk, mask=m_tk, other=0.0).to(tl.float32)
-            for b in tl.static_range(1, NC):
-                if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
-                    g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
-                    in_b = m_t & (rows // BC == b)
-                    gate = tl.exp(tl.where(in_b[:, None] & m_k[None, :], b_gc - g_ref[None, :], float("-inf")))
-                    before = (rows < b * BC)[:, None] & m_k[None, :]
-                    b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
-                    b_A += _dot(b_k * gate, b_kgt, LOWP, DOT_PRECISION)
-                    b_P += _dot(b_q * gate, b_kgt, LOWP, DOT_PRECISION)
-            _slice_outputs(b_gc, b_k, b_q, w, qg, kd, glast, off_tk, m_tk, o_k, m_k, last, i_c, i_h, scale, H, K)
-        cross = m_t[:, None] & ((cols // BC)[None, :] < (rows // BC)[:, None])
-        tl.store(Pqk + off_tt, (b_P * scale).to(Pqk.dtype.element_ty), mask=cross)
+            if t0 + b * BC < eos:  # block rows wholly past the sequence end (a short last chunk) are skipped
+                g_ref = tl.sum(tl.where(rows[:, None] == b * BC - 1, b_gc, 0.0), axis=0)
+                in_b = m_t & (rows // BC == b)
+                gate = tl.exp(tl.where(in_b[:, None] & m_k[None, :], b_gc - g_ref[None, :], float("-inf")))
+                before = (rows < b * BC)[:, None] & m_k[None, :]
+                b_kgt = tl.trans(b_k * tl.exp(tl.where(before, g_ref[None, :] - b_gc, float("-inf"))))
+                b_A += _dot(b_k * gate, b_kgt, LOWP, DOT_PRECISION)
+                b_P += _dot(b_q * gate, b_kgt, LOWP, DOT_PRECISION)
+        b_eg = tl.where(m_tk, tl.exp(b_gc), 0.0)
+        tl.store(w + off_tk, (b_k * b_eg).to(w.dtype.element_ty), mask=m_tk)  # k exp(G), until pass 3
+        tl.store(qg + off_tk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_tk)
+        g_last = tl.sum(tl.where(last, b_gc, 0.0), axis=0)
+        tl.store(glast + (i_c.to(tl.int64) * H + i_h) * K + o_k, g_last, mask=m_k)
+        b_kd = tl.where(m_tk, b_k * tl.exp(g_last[None, :] - b_gc), 0.0)
+        tl.store(kd + off_tk, b_kd.to(kd.dtype.element_ty), mask=m_tk)
+    cross = m_t[:, None] & ((cols // BC)[None, :] < (rows // BC)[:, None])
+    tl.store(Pqk + off_tt, (b_P * scale).to(Pqk.dtype.element_ty), mask=cross)
 
     b_b = tl.load(beta + (t0 + rows) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_L = b_A * b_b[:, None]  # Diag(b) L off the diagonal blocks
@@ -599,12 +533,10 @@ def chunk_kda_fwd(
     qg = alloc(B, T, H, K, **mid)
     glast = alloc(NT, H, K, **f32)
     BKS, BVS = solve_tiles(BK, BV, lowp)
-    rows = bool(LAUNCH["solve_rows"])
-    Aoff = alloc(B, T, H, BT, **f32) if rows else Akd  # the off-diagonal rows of L (by block row only)
     _kda_solve_kernel[(NT, H)](
-        q, k, v, g, beta, Akd, Aoff, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
+        q, k, v, g, beta, Akd, Pqk, w, u, kd, qg, glast, cu_seqlens, chunk_seq, chunk_pos, scale,
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BKS, BV=BVS, NC=NC, LOG2_BT=BT.bit_length() - 1, LOG2_BC=BC.bit_length() - 1,
-        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision, ROWS=rows,
+        LOWP=lowp, DOT_PRECISION=precision, INV_PRECISION="tf32" if lowp else precision,
         num_warps=LAUNCH["solve_warps"],
     )
     fuse = FUSE_OUTPUT if fuse_output is None else fuse_output
