@@ -4,7 +4,11 @@ driver, results stamped with where they ran."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -146,11 +150,6 @@ def test_a_manifest_kept_outside_the_tree_travels_with_its_probe_modules(tmp_pat
 def test_a_started_instance_offers_the_cores_this_process_may_use_not_the_hosts(tmp_path):
     """A process limited to one core (``taskset``, a container's cpuset) starts a Ray instance of one CPU: one
     sized by the host's count would run more probes at once than the cores can."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this platform")
     code = textwrap.dedent("""
