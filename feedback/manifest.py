@@ -58,6 +58,14 @@ class Threshold(BaseModel):
             raise ValueError("a threshold needs max or min")
         return self
 
+    def violated(self, value: float) -> bool:
+        """Whether ``value`` lies outside the bounds (a NaN always does)."""
+        return (self.max is not None and not value <= self.max) or (self.min is not None and not value >= self.min)
+
+    def describe(self) -> str:
+        """The bounds as a reader writes them: ``<= 0``, ``>= 0.9`` or both."""
+        return " and ".join(f"{op} {b:g}" for op, b in (("<=", self.max), (">=", self.min)) if b is not None)
+
 
 _DOTTED = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
 

@@ -6,6 +6,7 @@ import enum
 import math
 import os
 import platform
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -63,15 +64,21 @@ class Location(_Model):
     condition: str | None = None
 
     def render(self) -> str:
+        """``cover file:line symbol; param ...; input ...``: a condition that is a source line (``line 16``, or
+        ``line 12, in test t`` from a test's traceback) goes with the file, as an editor opens it."""
         parts = []
+        line = re.fullmatch(r"line (\d+)(?:, (.*))?", self.condition or "", re.S) if self.file else None
         if self.file:
             what = self.kernel or self.symbol
-            parts.append(f"cover {self.file}" + (f" {what}" if what else ""))
+            parts.append(f"cover {self.file}" + (f":{line[1]}" if line else "") + (f" {what}" if what else ""))
         elif self.kernel or self.symbol:
             parts.append(f"in {self.kernel or self.symbol}")
         if self.param:
             parts.append(f"param {self.param}")
-        if self.condition:
+        if line:
+            if line[2]:
+                parts.append(line[2])
+        elif self.condition:
             parts.append(f"input {self.condition}")
         return "; ".join(parts)
 

@@ -8,12 +8,14 @@
 * Each probe is its own process group: past ``budget_s`` the whole group is killed, and a harness
   killed outright takes the group with it (``feedback/lifeline.py``).
 * The cache key is the content of every covered file and of the probe's own module, the probe
-  spec (params, thresholds), and the environment; a hit is reported with ``cached: true``.
+  spec (params, thresholds), the environment and the harness's own source (another infra-agent may judge
+  otherwise); a hit is reported with ``cached: true``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import glob
 import hashlib
 import importlib.metadata as md
@@ -55,6 +57,20 @@ def _version(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
+
+
+@functools.cache
+def harness_digest() -> str:
+    """sha256 over the harness's own source (``feedback/``, ``infra_agent/``): a new infra-agent may judge
+    differently (a check that counts other sites, a probe helper that measures another way), so a result
+    cached by one is never served to another.  Read once per process: about a hundred small files."""
+    h = hashlib.sha256()
+    for part in ("feedback", "infra_agent"):
+        for f in sorted((HARNESS_ROOT / part).rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                h.update(f.relative_to(HARNESS_ROOT).as_posix().encode())
+                h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def environment_key(emulate: bool) -> str:
@@ -170,6 +186,7 @@ class Runner:
         h = hashlib.sha256()
         h.update(spec.model_dump_json().encode())
         h.update(self.env_key.encode())
+        h.update(harness_digest().encode())
         h.update(str(self.extra_env).encode())
         root = str(self.tree) + os.sep
         for f in map(str, self.covered_files(spec)):
@@ -488,9 +505,13 @@ class Runner:
             metric, count, sites = run_check(spec.check, self.tree, spec.params.get("paths"), **options)
         except ValueError as exc:
             return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
-        failed = count > 0 and metric not in spec.thresholds  # a threshold, where given, decides instead
+        threshold = spec.thresholds.get(metric)
+        failed = count > 0 and threshold is None  # a threshold, where given, decides instead
+        # the sites are what the count counted: where a threshold on it is violated, they are what failed, each
+        # at its line (apply_thresholds adds the bound's own line)
+        sites_failed = failed or (threshold is not None and threshold.violated(count))
         findings = [Finding(message=s.message, location=Location(file=s.file, symbol=s.symbol,
-                                                                  condition=f"line {s.line}"), failed=failed)
+                                                                  condition=f"line {s.line}"), failed=sites_failed)
                     for s in sites[:50]]
         return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
                            metrics={metric: Metric(value=count, better="lower")}, findings=findings,
@@ -652,12 +673,10 @@ def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
                                     failed=True))
             failed = True
             continue
-        bad = (th.max is not None and not metric.value <= th.max) or (th.min is not None and not metric.value >= th.min)
-        if bad:
-            bound = f"<= {th.max:g}" if th.max is not None else f">= {th.min:g}"
+        if th.violated(metric.value):
             params = ", ".join(f"{k}={v!r}" for k, v in spec.params.items() if not isinstance(v, (list, dict)))
             findings.append(Finding(
-                message=f"{name} = {metric.value:.3g}{metric.unit} violates {bound}",
+                message=f"{name} = {metric.value:.3g}{metric.unit} violates {th.describe()}",
                 location=Location(file=", ".join(spec.covers.files[:2]) or None,
                                   symbol=", ".join(spec.covers.symbols[:2]) or None, param=params or None),
                 failed=True))

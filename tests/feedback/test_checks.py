@@ -222,3 +222,26 @@ def test_a_pytest_probe_records_what_it_imported_so_its_cache_and_selection_foll
     again = Runner(ext, manifest, cache_dir=str(ext.parent / "cache")).run(manifest.probes)[0]
     assert not again.cached  # core.py changed, though the covers do not name it
     assert again.metrics["failed"].value < first.metrics["failed"].value
+
+
+def test_a_static_check_over_its_threshold_is_localised_at_every_site_it_counted(ext):
+    """A threshold decides a static check's verdict; when the count breaks it, the sites it counted are what
+    failed, each at its file and line, beside the bound's own line. Within the bound, nothing is headlined."""
+    from feedback.harness import judge
+
+    manifest = ext / "infra-agent.yaml"
+    for name, bound in (("x.div_none", 0), ("x.div_one", 1)):  # items of the probes list, as MANIFEST's
+        manifest.write_text(manifest.read_text() + (
+            f"  - {{id: {name}, kind: static, check: kernel_loop_division, params: {{paths: [pkg/kernels.py]}},\n"
+            f"     covers: {{files: ['pkg/*.py']}}, thresholds: {{loop_divisions: {{max: {bound}}}}}}}\n"))
+    report = judge(ext, probe_ids=["x.div_none", "x.div_one"], use_cache=False, run_all=True)
+    res = {r.probe: r for r in report.results}
+    over, within = res["x.div_none"], res["x.div_one"]
+    assert over.status == Status.failed and within.status == Status.passed
+    assert [f.failed for f in over.findings] == [True, True]  # the site, then the bound
+    assert not any(f.failed for f in within.findings) and within.findings  # observed, not failed
+    lines = {c.probe: c.localisation for c in report.comparisons}
+    site = f"cover pkg/kernels.py:{_line(KERNELS, 'h = h / 2.0')} merge"
+    assert len(lines["x.div_none"]) == 2 and site in lines["x.div_none"][0], lines
+    assert "loop_divisions = 1 violates <= 0" in lines["x.div_none"][1]
+    assert lines["x.div_one"] == []

@@ -260,3 +260,27 @@ def test_parallel_probes_share_the_cores_and_a_thread_count_that_is_set_is_kept(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     report = judge(tmp_path, run_all=True, jobs=1, use_cache=False)
     assert report.results[0].metrics["threads"].value == 1
+
+
+def test_a_result_cached_by_one_harness_is_not_served_by_another(toy, tmp_path, monkeypatch):
+    """The harness's own source is part of every cache key: a changed check or probe helper judges anew."""
+    import feedback.runner as runner_mod
+
+    harness = tmp_path / "harness"
+    for part in ("feedback", "infra_agent"):
+        (harness / part / "__pycache__").mkdir(parents=True)
+        (harness / part / "a.py").write_text(f"X = '{part}'\n")
+    monkeypatch.setattr(runner_mod, "HARNESS_ROOT", harness)
+    digest = runner_mod.harness_digest.__wrapped__
+    first = digest()
+    (harness / "feedback" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")  # compiled: not source
+    assert digest() == first
+    (harness / "infra_agent" / "a.py").write_text("X = 'changed'\n")
+    assert digest() != first
+
+    manifest = load_manifest(toy)
+    keys = set()
+    for value in ("one", "another"):
+        monkeypatch.setattr(runner_mod, "harness_digest", lambda value=value: value)
+        keys.add(runner_mod.Runner(toy, manifest, cache_dir=str(toy / ".cache")).cache_key(manifest.probes[0]))
+    assert len(keys) == 2
