@@ -7,8 +7,8 @@ synchronisation, shared buffers) and **production** (serving defaults, scheduler
 timeouts, memory limits, environment switches, deployment files).  Built-in rules over the changed
 lines' code (comments, docstrings and layout-only edits are not read: ``source_lines.py``), the
 target manifest's ``risk`` rules, and checks of where a line lies, whatever its words: inside a GPU
-kernel (numerics; its stores concurrency), inside a with-block holding a lock or a stream
-(concurrency), or the value of a setting (a parameter default, a class field, a module constant:
+kernel (numerics; its stores concurrency), in a kernel's launch (numerics), inside a with-block holding
+a lock or a stream (concurrency), or the value of a setting (a parameter default, a class field, a module constant:
 production).  Measured on real upstream commits: ``bench/gate_upstream.py``.
 
 A patch touching a protected path, or reaching the judges some other way (``infra_agent/tamper.py``:
@@ -218,7 +218,9 @@ KERNEL_WRITES = re.compile(r"\btl\.(store|atomic_\w+|debug_barrier)\b")
 def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> list[RiskFinding]:
     """Findings from where a changed code line lies, whatever its words.  Inside a Python GPU kernel's body
     (``source_lines.KERNEL_DECORATOR``): numerics, as a kernel's every line is the numbers it computes, and
-    its stores, atomics and barriers concurrency too (which program writes where, and when).  Inside a
+    its stores, atomics and barriers concurrency too (which program writes where, and when).  In a kernel's
+    launch (``kernel[grid](...)``): numerics, as its grid, arguments and compile-time constants are the
+    kernel's inputs.  Inside a
     with-block that holds a lock or a stream, on either side of the patch: concurrency (what the critical
     section covers, what runs on the stream)."""
     out = []
@@ -228,6 +230,8 @@ def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> li
             if KERNEL_WRITES.search(code):
                 out.append(RiskFinding(rule="ast.kernel-writes", category="concurrency", file=path, line=no,
                                        text=text))
+        if no in regions.launches:
+            out.append(RiskFinding(rule="ast.kernel-launch", category="numerics", file=path, line=no, text=text))
         if no in regions.locked:
             out.append(RiskFinding(rule="ast.locked-region", category="concurrency", file=path, line=no, text=text))
     return out

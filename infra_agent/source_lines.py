@@ -1,5 +1,5 @@
 """What a changed line of a source file is, for the risk gate: its code without comments, whether it is
-documentation, whether it lies inside a GPU kernel or a critical section.
+documentation, whether it lies inside a GPU kernel, a kernel's launch or a critical section.
 
 The gate's rules read code, not prose: a comment that mentions an accumulation or an epsilon changes no
 number, while any edit inside a kernel's body does, whatever words it uses.  Comment syntax is known per
@@ -88,6 +88,7 @@ class Regions:
     docs: frozenset[int] = frozenset()  # docstrings and other bare string statements
     kernels: frozenset[int] = frozenset()  # bodies of functions decorated as device code (KERNEL_DECORATOR)
     locked: frozenset[int] = frozenset()  # bodies of with-blocks that hold a lock or a stream (LOCK_NAME)
+    launches: frozenset[int] = frozenset()  # kernel launches, ``kernel[grid](...)`` (:func:`_launches`)
 
 
 def _span(node: ast.AST) -> range:
@@ -111,7 +112,40 @@ def python_regions(tree: ast.Module | None) -> Regions:
         elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
                 LOCK_NAME.search(_called_name(item.context_expr)) for item in node.items):
             locked.update(_span(node))
-    return Regions(frozenset(docs), frozenset(kernels), frozenset(locked))
+    return Regions(frozenset(docs), frozenset(kernels), frozenset(locked), frozenset(_launches(tree)))
+
+
+def _root(node: ast.expr) -> str | None:
+    """The name an attribute chain starts from (``ops`` of ``ops.kda._fwd``), or None."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _launches(tree: ast.Module) -> set[int]:
+    """The lines of every kernel launch, ``k[grid](args)``: a call of a subscripted name that is a kernel this
+    source defines (KERNEL_DECORATOR) or a name it imports (a kernel of another module, ``from .kernels import
+    k``, or reached through an imported module, ``ops.k[grid](...)``).  Its grid, its arguments' order and its
+    compile-time constants decide what the kernel computes.  A subscripted local (``handlers[name](x)``) is
+    not one."""
+    kernels: set[str] = set()
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                KERNEL_DECORATOR.search(_called_name(d)) for d in node.decorator_list):
+            kernels.add(node.name)
+        elif isinstance(node, ast.ImportFrom):
+            imported.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.asname or a.name.split(".")[0] for a in node.names)
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            target = node.func.value
+            if (isinstance(target, ast.Name) and target.id in kernels | imported) or (
+                    isinstance(target, ast.Attribute) and _root(target) in imported):
+                lines.update(_span(node))
+    return lines
 
 
 def defaults(tree: ast.Module | None) -> dict[tuple[str, ...], tuple[str, int]]:

@@ -181,6 +181,8 @@ def test_gate_cli_on_a_repository_without_a_manifest_and_with_one_kept_outside(t
 
 KERNEL_FILE = """import triton
 import triton.language as tl
+from ops import kernels as ops
+from ops.kernels import _mul
 
 
 @triton.jit
@@ -194,6 +196,14 @@ def _add(x, y, out, N: tl.constexpr):
 def host(a, b):
     z = a + b
     return z
+
+
+def launch(a, b, out, n):
+    _add[(1,)](a, b, out, n)
+    _mul[(n // 64,)](a, b, out, 64)
+    ops.scale[(n,)](out, 2.0)
+    handlers = {"copy": host}
+    return handlers["copy"](a, b)
 
 
 class Pool:
@@ -231,6 +241,12 @@ def _judge_edit(tmp_path, old: str, new: str):
     # inside a kernel every code line is numerics, its stores concurrency too; the same edit outside is not
     ("z = tl.load(x + o) + tl.load(y + o)", "z = tl.load(x + o) - tl.load(y + o)", "ast.kernel-body", "numerics"),
     ("tl.store(out + o, z)", "tl.store(out + o, z, mask=o < N - 1)", "ast.kernel-writes", "concurrency"),
+    # a kernel's launch: its arguments' order, its grid and compile-time constants, a kernel defined here,
+    # imported, or reached through an imported module
+    ("_add[(1,)](a, b, out, n)", "_add[(1,)](b, a, out, n)", "ast.kernel-launch", "numerics"),
+    ("_mul[(n // 64,)](a, b, out, 64)", "_mul[(n // 32,)](a, b, out, 32)", "ast.kernel-launch", "numerics"),
+    ("ops.scale[(n,)](out, 2.0)", "ops.scale[(n,)](out,\n                    0.5)", "ast.kernel-launch",
+     "numerics"),
     # a line moved out of a lock's block
     ("            del self._free[:n]\n        return got", "            del self._free[:n]\n            return got",
      "ast.locked-region", "concurrency"),
@@ -248,6 +264,7 @@ def test_where_a_line_lies_is_a_risk_whatever_its_words(tmp_path, old, new, rule
     ("    z = a + b\n    return z", "    z = a - b\n    return z"),  # the same arithmetic edit, on the host
     ("out = x + y; eps is 1e-6 nowhere.", "out = x + y; eps is 1e-5 nowhere."),  # a kernel's docstring
     ("def take(self, n, spill: bool = True):", "def take(self, n, spill: bool = True, note=None):"),  # a new knob
+    ('return handlers["copy"](a, b)', 'return handlers["copy"](b, a)'),  # a subscripted local is no kernel
 ])
 def test_edits_outside_kernels_locks_and_settings_are_clean(tmp_path, old, new):
     result = _judge_edit(tmp_path, old, new)
