@@ -63,7 +63,7 @@ def _version(dist: str) -> str | None:
 def harness_digest() -> str:
     """sha256 over the harness's own source (``feedback/``, ``infra_agent/``): a new infra-agent may judge
     differently (a check that counts other sites, a probe helper that measures another way), so a result
-    cached by one is never served to another.  Read once per process: about a hundred small files."""
+    cached by one is never served to another.  Read once per process (some sixty files: a few ms)."""
     h = hashlib.sha256()
     for part in ("feedback", "infra_agent"):
         for f in sorted((HARNESS_ROOT / part).rglob("*.py")):
