@@ -276,24 +276,44 @@ def misplaced(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Misplaced
                 yield None, sig, rel, node.lineno
 
 
+def _by_definition(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Signature, list[Misplaced], int, bool]]:
+    """(definition, its misplaced calls, how many calls pass it names, whether the declaration is the odd one
+    out) for every definition with a misplaced call."""
+    by_def: dict[Signature, list[Misplaced | None]] = defaultdict(list)
+    for found, sig, _, _ in misplaced(modules):
+        by_def[sig].append(found)
+    for sig, calls in by_def.items():
+        bad = [f for f in calls if f is not None]
+        if bad:
+            yield sig, bad, len(calls), len(bad) == len(calls) and len({f.moves for f in bad}) == 1 and len(bad) >= 2
+
+
+def call_faults(modules: list[tuple[ast.Module, str]]) -> list[Misplaced]:
+    """The misplaced calls that are the call's fault: those of a definition that some calls agree with, or
+    that has one naming call alone (either side may be wrong; the call is the smaller edit)."""
+    return [f for _, bad, _, odd in _by_definition(modules) if not odd for f in bad]
+
+
+def restored_args(call: ast.Call, found: Misplaced) -> dict[int, int] | None:
+    """For ``call`` (the node of ``found``): which positional argument goes where (``{from: to}``) to put
+    each in its own parameter's place; None where the node is not the call ``found`` describes."""
+    if _moves(call.args, found.callee) != found.moves:
+        return None
+    return {at: own for _, at, own in found.moves}
+
+
 def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
     """The built-in check: a site per call in another order than its callee (or per definition that every
     naming call disagrees with; see the module's text)."""
-    by_def: dict[Signature, list[tuple[Misplaced | None, str, int]]] = defaultdict(list)
-    for found, sig, rel, line in misplaced(modules):
-        by_def[sig].append((found, rel, line))
-    for sig, calls in by_def.items():
-        bad = [f for f, _, _ in calls if f is not None]
-        if not bad:
-            continue
+    for sig, bad, calls, odd in _by_definition(modules):
         declared = f"`{sig.name}` ({sig.file}:{sig.line}) declares ({', '.join(sig.params)})"
-        if len(bad) == len(calls) and len({f.moves for f in bad}) == 1 and len(bad) >= 2:
+        if odd:
             where = ", ".join(f"{f.file}:{f.line}" for f in bad)
             yield Site(sig.file, sig.line, sig.name, f"{declared}, but all {len(bad)} calls that pass names "
                        f"pass {bad[0].describe()} ({where}): the declaration's order is the odd one out")
             continue
         for f in bad:
             yield Site(f.file, f.line, f.caller or sig.name, f"call of {declared} passes {f.describe()}")
-            if len(calls) == 1:
+            if calls == 1:
                 yield Site(sig.file, sig.line, sig.name, f"{declared}; its one call that passes names "
                            f"({f.file}:{f.line}) passes {f.describe()}")

@@ -7,7 +7,7 @@ Errors name the file, the line and the field::
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import operator
 import pathlib
 import re
@@ -32,6 +32,39 @@ STAGE_ORDER = {kind: i for i, kind in enumerate(KINDS)}
 RISK_CATEGORIES = ("numerics", "concurrency", "production")
 
 
+@functools.lru_cache(maxsize=1024)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """fnmatch's rules (``*`` and ``?`` cross ``/``, ``[...]`` a class, ``[!...]`` its complement), and
+    ``**/`` also standing for no folder at all."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+            continue
+        c = pattern[i]
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[" and (end := pattern.find("]", i + 2 if pattern[i + 1:i + 2] in "!]" else i + 1)) > i:
+            body = pattern[i + 1:end].replace("\\", "\\\\")
+            body = "^" + body[1:] if body.startswith("!") else "\\" + body if body.startswith("^") else body
+            out.append("[" + body + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out), re.S)
+
+
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether a tree-relative ``path`` matches a manifest glob: fnmatch's rules, with ``**/`` also standing for
+    no folder, as in every path glob (``pkg/**/*.py`` holds ``pkg/core.py``, and ``**/conftest.py`` the root's
+    ``conftest.py``), the way ``pathlib``'s glob collects a probe's covered files."""
+    return path == pattern or _glob_regex(pattern).fullmatch(path) is not None
+
+
 class ManifestError(Exception):
     """A manifest that cannot be used; the message is one line naming file, line and field."""
 
@@ -43,7 +76,7 @@ class Covers(BaseModel):
     symbols: list[str] = Field(default_factory=list, description="functions, classes or kernels the probe is bound to")
 
     def matches(self, path: str) -> bool:
-        return any(fnmatch.fnmatchcase(path, pat) or path == pat for pat in self.files)
+        return any(path_matches(path, pat) for pat in self.files)
 
 
 class Threshold(BaseModel):
@@ -297,7 +330,7 @@ class Manifest(BaseModel):
         if path == MANIFEST_NAME:
             return MANIFEST_NAME
         for pat in self.protected:
-            if fnmatch.fnmatchcase(path, pat) or path == pat or path.startswith(pat.rstrip("/") + "/"):
+            if path_matches(path, pat) or path.startswith(pat.rstrip("/") + "/"):
                 return pat
         return None
 

@@ -20,7 +20,6 @@ classifier counts as high risk.
 from __future__ import annotations
 
 import ast
-import fnmatch
 import pathlib
 import re
 import subprocess
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from feedback.checks import parse
-from feedback.manifest import Manifest
+from feedback.manifest import Manifest, path_matches
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
 from infra_agent.source_lines import Regions, code_part, defaults, module, python_regions
@@ -41,7 +40,7 @@ class Rule:
     id: str
     category: str
     pattern: str | None = None  # regex over added and removed lines
-    paths: tuple[str, ...] = ("*",)  # globs the rule applies to (fnmatch on the whole path)
+    paths: tuple[str, ...] = ("*",)  # globs the rule applies to (the whole path or its name: path_matches)
     whole_file: bool = False  # the path alone is the risk (deployment files)
 
 
@@ -343,7 +342,7 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         for rule in (*BUILTIN, *custom):
             rx = re.compile(rule.pattern) if rule.pattern else None
             for f in patch.files:
-                if not any(fnmatch.fnmatchcase(f.path, g) or fnmatch.fnmatchcase(pathlib.PurePath(f.path).name, g)
+                if not any(path_matches(f.path, g) or path_matches(pathlib.PurePath(f.path).name, g)
                            for g in rule.paths):
                     continue
                 if rule.whole_file:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from feedback.manifest import load_yaml
+from feedback.manifest import load_yaml, path_matches
 from feedback.models import FeedbackReport
 from feedback.state import SKIP_PARTS
 
@@ -284,7 +284,7 @@ def _finding_files(result) -> set[str]:
 
 
 def _in(path: str, globs: set[str]) -> bool:
-    return any(path == g or fnmatch.fnmatchcase(path, g) for g in globs)
+    return any(path_matches(path, g) for g in globs)
 
 
 def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[CodeMatch]:
@@ -295,7 +295,7 @@ def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[Cod
     pointed = {path for r in report.results if r.status.value == "fail" for path in _finding_files(r)}
     if not pointed:
         return matches
-    near = [m for m in matches if any(fnmatch.fnmatchcase(m.file, pat) for pat in pointed)]
+    near = [m for m in matches if any(path_matches(m.file, pat) for pat in pointed)]
     return near or matches
 
 

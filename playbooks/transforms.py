@@ -100,6 +100,79 @@ def pydll_to_cdll(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str,
     return changed
 
 
+def _position(src: str):
+    """``pos(line, col)``: the index in ``src`` of an AST position (``col`` counts UTF-8 bytes, as the AST's
+    offsets do, so a line with a non-ASCII character before the node still lands on it)."""
+    lines = src.splitlines(keepends=True)
+    starts = [0]
+    for ln in lines:
+        starts.append(starts[-1] + len(ln))
+
+    def pos(line: int, col: int) -> int:
+        text = lines[line - 1] if line <= len(lines) else ""
+        return starts[line - 1] + len(text.encode()[:col].decode(errors="ignore"))
+    return pos
+
+
+def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
+    """Put each positional argument that the argument-order check (``feedback/argorder.py``) found in another
+    parameter's place back into its own: ``kernel[grid](k, q, ...)`` against ``def kernel(q, k, ...)`` becomes
+    ``kernel[grid](q, k, ...)``.  Calls in the matched files only, judged against the definitions of the
+    packages they lie in; a declaration that every call disagrees with the same way is left alone (the
+    declaration, not the calls, is then what changed: a person decides)."""
+    from feedback.argorder import call_faults, restored_args
+    from feedback.state import SKIP_PARTS
+
+    files = _files(matches)
+    roots = sorted({pathlib.PurePosixPath(rel).parts[0] for rel in files})
+    sources: dict[str, str] = {}
+    modules: list[tuple[ast.Module, str]] = []
+    for root in roots:
+        top = tree / root
+        for path in sorted([top] if top.is_file() else top.rglob("*.py")):
+            rel = path.relative_to(tree).as_posix()
+            if SKIP_PARTS & set(path.relative_to(tree).parts) or not path.is_file():
+                continue
+            try:
+                src = path.read_text()
+                modules.append((parse(src, rel), rel))
+            except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+                continue  # a file that does not parse has no calls to judge
+            sources[rel] = src
+    trees = {rel: mod for mod, rel in modules}
+    faults: dict[str, list] = {}
+    for found in call_faults(modules):
+        if found.file in files:
+            faults.setdefault(found.file, []).append(found)
+    changed = []
+    for rel, found_here in sorted(faults.items()):
+        src, pos = sources[rel], _position(sources[rel])
+        edits: list[tuple[int, int, str]] = []
+        done: set[int] = set()  # calls already put in order: two alike on one line are two findings
+        for found in found_here:
+            for node in ast.walk(trees[rel]):
+                if not (isinstance(node, ast.Call) and node.lineno == found.line) or id(node) in done:
+                    continue
+                moves = restored_args(node, found)
+                if moves is None:
+                    continue
+                done.add(id(node))
+                call = [(pos(node.args[own].lineno, node.args[own].col_offset),
+                         pos(node.args[own].end_lineno, node.args[own].end_col_offset),
+                         ast.get_source_segment(src, node.args[at])) for at, own in moves.items()]
+                # a call's arguments move together or not at all: one nested in another's moved argument waits
+                # for the next application
+                if not any(a < d and c < b for a, b, _ in call for c, d, _ in edits):
+                    edits += call
+                break
+        if edits:
+            for a, b, text in sorted(set(edits), reverse=True):
+                src = src[:a] + text + src[b:]
+            (tree / rel).write_text(src)
+            changed.append(rel)
+    return changed
+
+
 def _tl_call(node: ast.expr, name: str) -> ast.Call | None:
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl" and len(node.args) == 1):
@@ -123,11 +196,7 @@ def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
-        lines = src.splitlines(keepends=True)
-        offsets = [0]
-        for ln in lines:
-            offsets.append(offsets[-1] + len(ln))
-        pos = lambda line, col, offsets=offsets: offsets[line - 1] + col  # noqa: E731
+        pos = _position(src)
         edits: list[tuple[int, int, str]] = []  # (start, end, replacement) of the operator and divisor
         for node in ast.walk(parse(src, rel)):
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):

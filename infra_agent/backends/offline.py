@@ -11,9 +11,8 @@ the playbooks declare.
 
 from __future__ import annotations
 
-import fnmatch
-
 from feedback.changes import files_in_diff
+from feedback.manifest import path_matches
 from infra_agent.agent import AgentState
 from infra_agent.tools import Action
 from playbooks.model import Applicability, Playbook, evaluate, load_library, run_transform
@@ -96,7 +95,7 @@ class OfflineBackend:
 
         def about(probe: str) -> bool:
             globs = covers.get(probe)
-            return globs is None or any(fnmatch.fnmatchcase(f, g) or f == g for f in changed for g in globs)
+            return globs is None or any(path_matches(f, g) for f in changed for g in globs)
 
         by = app.evidence_by if len(app.evidence_by) == len(app.evidence) else [""] * len(app.evidence)
         evidence = [e for p, e in zip(by, app.evidence, strict=True) if not p or about(p)] or app.evidence

@@ -54,3 +54,25 @@ def test_the_manifests_env_reaches_every_probe_under_its_own():
     assert first.env == {"TOY_MODE": "exact", "TOY_LEVEL": "2", "TOY_ON": "1"}  # the probe's own wins
     assert all(p.env == {"TOY_MODE": "fast", "TOY_LEVEL": "2", "TOY_ON": "1"} for p in rest)
     assert parse_manifest(TOY_MANIFEST, "infra-agent.yaml").probes[0].env == {}
+
+
+def test_a_manifest_glob_reads_as_a_path_glob_where_a_double_star_may_be_no_folder():
+    """``pkg/**/*.py`` holds ``pkg/core.py`` (as pathlib's glob, which collects a probe's covered files, has
+    it): a probe covering a package is selected when a file at the package's top changes, and a root
+    ``conftest.py`` is protected by ``**/conftest.py``. fnmatch's own rules hold otherwise."""
+    from feedback.manifest import Manifest, ProbeSpec, path_matches
+    from feedback.select import select
+
+    for path, glob, want in [("pkg/core.py", "pkg/**/*.py", True), ("pkg/sub/k.py", "pkg/**/*.py", True),
+                             ("other/core.py", "pkg/**/*.py", False), ("conftest.py", "**/conftest.py", True),
+                             ("myconftest.py", "**/conftest.py", False), ("a/x/b/c.py", "a/**/b/**/c.py", True),
+                             ("pkg/sub/k.py", "pkg/*.py", True), ("pkg/k.pyc", "pkg/*.py", False),
+                             ("pkg/k.py", "pkg/[!kq].py", False), ("pkg/z.py", "pkg/[!kq].py", True),
+                             ("a^.py", "a[^b].py", True), ("a+b.py", "a+b.py", True)]:
+        assert path_matches(path, glob) is want, (path, glob)
+    probe = ProbeSpec(id="p.order", kind="static", check="argument_order", covers={"files": ["pkg/**/*.py"]})
+    manifest = Manifest(schema_version=1, name="t", probes=[probe], protected=["**/conftest.py", "tests/**"])
+    assert [p.id for p in select(manifest, ["pkg/core.py"])] == ["p.order"]
+    assert select(manifest, ["docs/core.py"]) == []
+    assert manifest.is_protected("conftest.py") == "**/conftest.py"
+    assert manifest.is_protected("tests/test_core.py") == "tests/**" and manifest.is_protected("pkg/core.py") is None

@@ -190,3 +190,71 @@ def test_a_proposal_cites_the_code_its_diff_changes_and_the_evidence_about_it(tm
         assert app.evidence_by == ["ext.prefill.bench", "ext.decode.bench"]
     finally:
         ws.close()
+
+
+SCALE = '''import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _axpy_kernel(x, y, out, n, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out + offs, alpha * tl.load(x + offs, mask=m) + tl.load(y + offs, mask=m), mask=m)
+
+
+def axpy(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    out = torch.full_like(x, float("nan"))
+    n = x.numel()
+    _axpy_kernel[(triton.cdiv(n, 128),)](x, y, out, n, alpha, BLOCK=128)
+    return out
+'''
+SCALE_TEST = '''import torch
+from mykern.axpy import axpy
+
+
+def test_axpy():
+    x, y = torch.randn(1000), torch.randn(1000)
+    want = (2.5 * x.double() + y.double()).float()
+    torch.testing.assert_close(axpy(x, y, 2.5), want)
+'''
+
+
+def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
+    """A fresh repository with a Triton kernel, through the real CLI: `init` writes the manifest; a later commit
+    swaps two pointers at the kernel's launch; the offline session restores the order, the kernel's own test
+    passes on the candidate, and the gate holds the launch change for a person (numerics)."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "mine"
+    files = {"mykern/__init__.py": "", "mykern/axpy.py": SCALE, "tests/test_axpy.py": SCALE_TEST}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    cli = [sys.executable, "-m", "infra_agent"]
+    subprocess.run([*cli, "init", str(root)], check=True, capture_output=True, timeout=120)
+    repo = git.Repo.init(root, initial_branch="main")
+    repo.git.add(A=True)
+    repo.index.commit("base", author=ACTOR, committer=ACTOR)
+    swapped = SCALE.replace("](x, y, out,", "](y, x, out,")
+    (root / "mykern" / "axpy.py").write_text(swapped)
+    repo.git.add(A=True)
+    repo.index.commit("a change", author=ACTOR, committer=ACTOR)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENAI_API_KEY"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    run = subprocess.run([*cli, "run", "--target", str(root), "--backend", "offline", "--json"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)
+    assert set(summary["failing_before"]) >= {"static.argument_order", "tests.axpy"}
+    (attempt,) = summary["attempts"]
+    assert (attempt["playbook"], attempt["verdict"], attempt["decision"]) == ("restore-argument-order", "better",
+                                                                              "held")
+    assert "static.argument_order" in attempt["reason"] and "tests.axpy" in attempt["reason"]
+    assert any("ast.kernel-launch" in r and "mykern/axpy.py" in r for r in attempt["risk"]), attempt["risk"]
+    fixed = repo.git.show(f"{attempt['branch']}:mykern/axpy.py")
+    assert "](x, y, out, n, alpha, BLOCK=128)" in fixed
+    assert repo.git.show("main:mykern/axpy.py") == swapped.rstrip("\n")  # main untouched

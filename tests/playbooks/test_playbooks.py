@@ -81,6 +81,13 @@ CASES = {
         (report(finding("m.trace", "top 1: matmul_kernel (cuda) 400 us, 80% of cuda time", Status.passed)),
          {"m.py": "xq, s = quantize_per_token(x)\n"}),
     ),
+    "restore-argument-order": (
+        (report(finding("s.static.argument_order", "call of `mix` (k.py:1) declares (q, k) passes `k` as parameter 1 "
+                        "(q; `k` is parameter 2), `q` as parameter 2 (k; `q` is parameter 1)")),
+         {"k.py": "def mix(q, k):\n    return q\n\n\nmix(k, q)\n"}),
+        (report(finding("s.static.dots", "tl.dot without input_precision")),
+         {"k.py": "def mix(q, k):\n    return q\n\n\nmix(k, q)\n"}),
+    ),
     "persistent-grid": (
         (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=6.0)), {"k.py": SMALL_GRID}),
         (report(metrics("s.bench", programs_per_sm=64.0, kernel_us=900.0)), {"k.py": SMALL_GRID}),
@@ -270,3 +277,72 @@ def test_playbooks_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "infra_agent.cli", "playbooks", "show", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "known: " in bad.stderr
+
+
+ORDER = {
+    "pkg/__init__.py": "",
+    "pkg/ops.py": '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def mix(q, k, o, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o + i, tl.load(q + i) * 2.0 + tl.load(k + i))
+
+
+def run(q, k, o):
+    mix[(1,)](q, k, o, N=8)
+
+
+def run_swapped(q, k, o):
+    out = {"é": mix[(1,)](k, q,
+                          o, N=8)}
+    return out
+
+
+def pair(first, rid):
+    return first, rid
+
+
+def both(rid, first):
+    return pair(rid, first), pair(rid, first)
+
+
+def inner(q, k):
+    return q
+
+
+def outer(q, k):
+    return inner(q, k), inner(k=k, q=q), outer(inner(k, q).k, inner(k, q).q)
+''',
+    "pkg/other.py": "from pkg.ops import mix\n\n\ndef far(q, k, o):\n    mix[(2,)](k, q, o)\n",
+}
+
+
+def test_the_argument_order_transform_puts_each_argument_back_and_leaves_a_declaration_to_a_person(tmp_path):
+    """Calls that disagree with a definition other calls agree with go back in order (a launch across lines,
+    after a non-ASCII character on its line; another module's launch); a declaration every call disagrees
+    with the same way is left alone; of nested misplaced calls the outer moves first, whole."""
+    from feedback.checks import run_check
+
+    t = tree(tmp_path, ORDER)
+    _, before, _ = run_check("argument_order", t, ["pkg"])
+    rep = report(ProbeResult(probe="s.static.argument_order", status=Status.failed, findings=[
+        Finding(message=m.message, location=Location(file=m.file, condition=f"line {m.line}"), failed=True)
+        for m in run_check("argument_order", t, ["pkg"])[2]]))
+    app = evaluate(LIB["restore-argument-order"], rep, t)
+    assert app.applies, app.reason
+    changed = run_transform(LIB["restore-argument-order"], t, app)
+    assert changed == ["pkg/ops.py", "pkg/other.py"]
+    ops = (t / "pkg" / "ops.py").read_text()
+    assert '    out = {"é": mix[(1,)](q, k,\n                          o, N=8)}' in ops
+    assert "mix[(2,)](q, k, o)" in (t / "pkg" / "other.py").read_text()
+    assert "return pair(rid, first), pair(rid, first)" in ops  # the declaration's order is the odd one out
+    assert "outer(inner(k, q).q, inner(k, q).k)" in ops  # the outer call, whole; the inner ones next time
+    _, after, sites = run_check("argument_order", t, ["pkg"])
+    assert before == 7 and after == 3, [s.message for s in sites]  # outer: its one call names two places
+    assert sum("odd one out" in s.message for s in sites) == 1
+    run_transform(LIB["restore-argument-order"], t, app)  # the next application: the inner calls
+    assert "outer(inner(q, k).q, inner(q, k).k)" in (t / "pkg" / "ops.py").read_text()
+    assert run_check("argument_order", t, ["pkg"])[1] == 1
