@@ -215,7 +215,8 @@ from mykern.axpy import axpy
 
 
 def test_axpy():
-    x, y = torch.randn(1000), torch.randn(1000)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter takes CPU tensors, a GPU its own
+    x, y = torch.randn(1000, device=device), torch.randn(1000, device=device)
     want = (2.5 * x.double() + y.double()).float()
     torch.testing.assert_close(axpy(x, y, 2.5), want)
 '''
