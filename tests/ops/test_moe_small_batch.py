@@ -9,6 +9,12 @@ from target_stack.model.layers import MoE, SwiGLU
 from target_stack.ops.kda.testing import DEVICE, rel_err
 from target_stack.ops.moe.reference import moe_reference
 from target_stack.ops.moe.small_batch import small_batch_experts, stack_with_shared
+from target_stack.ops.utils import interpreting
+
+#: the error of one fp32 -> bf16 store against float64: a GPU rounds to nearest (half a step, at most 2^-8 of
+#: a value), the Triton interpreter truncates (a whole step, at most 2^-7): at 2^-8 the interpreter's norm-wise
+#: error is its expected value, and a fresh draw passed or failed by chance
+BF16_STORE = 2.0**-7 if interpreting() else 2.0**-8
 
 
 def _experts(E, D, H, gen):
@@ -67,7 +73,7 @@ def test_the_expert_form_reads_each_expert_once_and_gives_the_same_sums(T, D, H,
     assert rel_err(got, want) < 1e-5
     assert rel_err(got, small_batch_experts(x, w, idx, w_gu, w_down, form="token")) < 1e-5
     narrow = small_batch_experts(x, w, idx, w_gu, w_down, out_dtype=torch.bfloat16, form="expert")
-    assert narrow.dtype == torch.bfloat16 and rel_err(narrow, want) < 2.0**-8
+    assert narrow.dtype == torch.bfloat16 and rel_err(narrow, want) < BF16_STORE
     with pytest.raises(ValueError, match="at least 16"):
         small_batch_experts(x, w, idx, w_gu, w_down, tiles=(8, 64, 32, 32), form="expert")
     with pytest.raises(ValueError, match="form"):
@@ -123,6 +129,6 @@ def test_every_tiling_gives_the_same_sums_and_a_narrower_output_is_rounded_once(
     assert narrow.dtype == torch.bfloat16
     ulp = (got.abs() * 2.0**-7).clamp_min(1e-30)
     assert ((narrow.float() - got).abs() <= ulp).all()  # within one bf16 step of the fp32 sum
-    assert rel_err(narrow, want) < 2.0**-8
+    assert rel_err(narrow, want) < BF16_STORE
     with pytest.raises(ValueError, match="powers of two"):
         small_batch_experts(x, w, idx, w_gu, w_down, tiles=(48, 32, 16, 32))
