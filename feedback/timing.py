@@ -23,7 +23,8 @@ and :func:`measure` does the rest, so no probe can forget a defence:
   ``torch.Tensor`` objects, not subclasses or lazy wrappers.
 * **A roofline floor**: with ``bytes_moved`` (or ``flops`` and a peak) a time faster than the
   bytes allow at the copy bandwidth measured in the same process is flagged, not celebrated (on a
-  CPU, a copy as large as the call's bytes: the cache level its inputs sit in, :func:`copy_bandwidth`).
+  CPU, a copy as large as the call's bytes: the cache level its inputs sit in, :func:`copy_bandwidth`;
+  one copy is timed right after each call, so a shared machine's drifting bandwidth cannot raise it).
 * **Clocks the candidate cannot reach**: :func:`arm` runs before the tree under test is imported
   and keeps its own references to the clock, the CUDA event methods and ``synchronize``; after the
   probe :func:`tampered` names any of them that were replaced.  Each timed loop is also stamped
@@ -191,20 +192,36 @@ def copy_bandwidth(device: str, nbytes: int | None = None) -> float:
     a copy call is timed apart and left out: the floor is the data's time at that level, a true lower
     bound for a call whose own dispatch costs less than torch's.
     """
-    import torch
+    return _Copy(device, nbytes).bandwidth()
 
-    device = device_kind(device)
-    cuda = device == "cuda"
-    size = 2**28 if cuda else int(min(max((nbytes or 2**27) // 2, 2**16), 2**26))  # the copy moves 2x this
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    src.random_(0, 255)  # never time on zeros
-    dst = torch.empty_like(src)
-    if cuda and not _torch:
-        arm()
 
-    def once(a, b) -> float:
-        _sync(device)
-        if cuda:  # the device's own time (events), as the calls it is held against are timed
+class _Copy:
+    """The plain copy a roofline floor is measured with (:func:`copy_bandwidth`).
+
+    :func:`measure` on a CPU also times one copy right after each timed call (:meth:`once`) and hands
+    those to :meth:`bandwidth`: a shared machine's memory bandwidth drifts as its neighbours load it,
+    and a floor measured only after the loop can be slower than the calls were a moment before (a CI
+    machine's 48 MB add once ran at 27 GB/s while the copies after it reached 20).  The fastest copy of
+    all is the floor's, so a drift can only lower the floor, never flag an honest call.
+    """
+
+    def __init__(self, device: Any, nbytes: int | None = None):
+        import torch
+
+        self.device = device_kind(device)
+        self.cuda = self.device == "cuda"
+        self.size = 2**28 if self.cuda else int(min(max((nbytes or 2**27) // 2, 2**16), 2**26))  # moves 2x
+        self.src = torch.empty(self.size, dtype=torch.uint8, device=self.device)
+        self.src.random_(0, 255)  # never time on zeros
+        self.dst = torch.empty_like(self.src)
+        if self.cuda and not _torch:
+            arm()
+
+    def once(self, n: int | None = None) -> float:
+        """Seconds for one copy of the first ``n`` bytes (all of them by default)."""
+        a, b = (self.src, self.dst) if n is None else (self.src[:n], self.dst[:n])
+        _sync(self.device)
+        if self.cuda:  # the device's own time (events), as the calls it is held against are timed
             start, end = _torch["event"](enable_timing=True), _torch["event"](enable_timing=True)
             stream = _torch["stream"]()
             if (hide := _launch_cover(20e-6)) is not None:  # the copy queued behind it: no launch latency
@@ -218,19 +235,24 @@ def copy_bandwidth(device: str, nbytes: int | None = None) -> float:
         b.copy_(a)
         return _clock() - t0
 
-    # the fastest of a few: the floor is a lower bound, and on a shared machine the slower copies are the
-    # ones another process preempted (an OpenMP team waiting on a descheduled thread takes milliseconds)
-    best = min(once(src, dst) for _ in range(7))
-    fixed = 0.0
-    if not cuda:  # and on one thread too: a loaded machine can make torch's thread team slower than one core
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            best = min(best, *(once(src, dst) for _ in range(5)))
-            fixed = min(once(src[:64], dst[:64]) for _ in range(7))
-        finally:
-            torch.set_num_threads(threads)
-    return 2 * size / max(best - fixed, 1e-9)
+    def bandwidth(self, seen: Sequence[float] = ()) -> float:
+        """Bytes per second of the fastest copy: a few timed now, with the ``seen`` ones timed earlier."""
+        import torch
+
+        # the fastest of a few: the floor is a lower bound, and on a shared machine the slower copies are the
+        # ones another process preempted (an OpenMP team waiting on a descheduled thread takes milliseconds)
+        best = min(self.once() for _ in range(7))
+        best = min(best, *seen) if seen else best
+        fixed = 0.0
+        if not self.cuda:  # and on one thread too: a loaded machine can make torch's thread team slower than one core
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                best = min(best, *(self.once() for _ in range(5)))
+                fixed = min(self.once(64) for _ in range(7))
+            finally:
+                torch.set_num_threads(threads)
+        return 2 * self.size / max(best - fixed, 1e-9)
 
 
 def _launch_cover(launch_s: float) -> Callable[[], None] | None:
@@ -287,6 +309,8 @@ def measure(make: Callable[[int], Sequence[Any]], call: Callable[..., Any],
     samples = []
     picked = set(random.Random(os.urandom(16)).sample(range(reps), min(recheck, reps))) | {reps - 1}
     threads = set(threading.enumerate())
+    copy = _Copy(device, int(bytes_moved)) if bytes_moved and not cuda else None  # the floor's, beside the calls
+    copies: list[float] = []
     witness(tag, "B")
     loop0 = _clock()
     for i in range(reps):
@@ -310,6 +334,8 @@ def measure(make: Callable[[int], Sequence[Any]], call: Callable[..., Any],
             outputs = call(*inputs)
             samples.append(_clock() - w0)
             snap = [t.clone() for t in _tensors(outputs)] if before is not None else []
+            if copy is not None:
+                copies.append(copy.once())
         if before is not None:
             pending.append((i, before, inputs, outputs, snap))
         last = outputs
@@ -343,7 +369,8 @@ def measure(make: Callable[[int], Sequence[Any]], call: Callable[..., Any],
     del pending, last, flush
     med = statistics.median(samples)
     qs = sorted(samples)
-    bw = copy_bandwidth(device, int(bytes_moved)) if bytes_moved else 0.0
+    bw = (copy or _Copy(device, int(bytes_moved))).bandwidth(copies) if bytes_moved else 0.0
+    del copy
     floor = max(bytes_moved / bw if bw else 0.0, flops / peak_flops if peak_flops else 0.0)
     if floor and med * slack < floor:
         problems.append(f"{med * 1e6:.2f} us per call is faster than the {floor * 1e6:.2f} us the roofline allows "

@@ -223,3 +223,17 @@ def test_a_device_is_timed_by_its_own_clock_or_refused():
             measure(lambda i: (torch.randn(8),), torch.neg, None, device=odd)
     t = measure(lambda i: (torch.randn(4096),), torch.neg, None, device=torch.device("cpu"), reps=4, bytes_moved=32768)
     assert t.device == "cpu" and t.median_s > 0 and not t.problems, t.problems
+
+
+def test_the_floor_is_the_fastest_copy_including_those_timed_beside_the_calls():
+    # measure() hands the copies it timed between the calls to the floor: one faster than any timed later
+    # (a neighbour's load arrived after the loop) sets the bandwidth, and slower ones change nothing
+    from feedback.timing import _Copy
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    copy = _Copy(device, 3 * 4 * 4_194_304)
+    quiet = copy.bandwidth()
+    assert quiet > 0
+    earlier = copy.once() / 8  # as if the copies after the loop ran at an eighth of the speed they had beside it
+    assert copy.bandwidth([earlier]) > 4 * quiet
+    assert copy.bandwidth([copy.once() * 100]) < 4 * quiet
