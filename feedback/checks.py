@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from feedback.state import SKIP_PARTS
+from feedback.state import ENV_PARTS, SKIP_PARTS
 
 
 @dataclass
@@ -187,14 +187,16 @@ WHOLE_TREE = {"argument_order"}
 
 
 def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Path]:
-    """The ``.py`` files under ``paths`` (relative to ``root``; default everything), state and VCS left out."""
+    """The ``.py`` files under ``paths`` (relative to ``root``; default everything), state and VCS left out,
+    and a virtual environment kept in the tree (ENV_PARTS) unless a path names it or a file in it."""
     out: set[pathlib.Path] = set()
     for p in paths or ["."]:
         base = (root / p).resolve()
         if not base.is_relative_to(root.resolve()):
             raise ValueError(f"path {p!r} leaves the tree")
         found = [base] if base.is_file() else sorted(base.rglob("*.py")) if base.is_dir() else []
-        out.update(f for f in found if SKIP_PARTS.isdisjoint(f.relative_to(root.resolve()).parts))
+        out.update(f for f in found if SKIP_PARTS.isdisjoint(f.relative_to(root.resolve()).parts)
+                   and ENV_PARTS.isdisjoint(f.relative_to(base).parts[:-1] if f != base else ()))
     return sorted(out)
 
 

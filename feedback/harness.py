@@ -14,6 +14,7 @@ from feedback.models import FeedbackReport, ProbeResult, Status
 from feedback.report import content_hashes, localise
 from feedback.runner import Runner
 from feedback.select import FAILING, order, rechecked, select, stages
+from feedback.sites import mark_known
 from feedback.state import StateDir
 from feedback.verdict import compare, evaluate_acceptance, judged_by_performance, repeats_for, verdict
 
@@ -133,6 +134,8 @@ def judge(
             break
         i += len(done)
 
+    if base_runner is not None:  # a static check's sites the baseline had too are not what the candidate broke
+        results = mark_known(manifest, tree, results, base_runner.tree, base_results)
     judges_changed = [f"{path} changed while the candidate's probes ran"
                       for path in _differing(judges_before, content_hashes(tree, manifest, specs))]
     if same_judges and baseline_tree is not None:

@@ -8,12 +8,12 @@ computed from, and served again only while all of that is as it was:
 * **the request**: the target's path, the probes asked for, the change (the ``--changed-from``
   revision, or the text of ``--diff``), ``--all``, ``--baseline``, an outside ``--manifest`` (its
   path and text);
-* **the files**: every file under the target tree (but a virtual environment kept in it, :data:`ENV_PARTS`),
-  under the harness's own packages and under any probe folder kept outside the tree, by path, size,
-  mtime, ctime and inode.  ctime cannot be set back
-  from user space, so a rewrite shows even when its size and mtime are restored; a file written within
-  :data:`RACY_NS` of an observation is hashed as well (a second write in the same clock tick leaves
-  every time stamp as it was);
+* **the files**: every file under the target tree (but a virtual environment kept in it,
+  :data:`feedback.state.ENV_PARTS`), under the harness's own packages and under any probe folder kept
+  outside the tree, by path, size, mtime, ctime and inode.  ctime cannot be set back from user space,
+  so a rewrite shows even when its size and mtime are restored; a file written within :data:`RACY_NS`
+  of an observation is hashed as well (a second write in the same clock tick leaves every time stamp
+  as it was);
 * **git's answers**: the commit the baseline revision names and the files changed since it;
 * **the environment** probes run in, as the cache's key holds it: the interpreter, torch's and
   triton's installed files, the GPU the driver reports, and the variables that switch the
@@ -48,7 +48,7 @@ import time
 
 from feedback import machine
 from feedback.changes import changes_since, commit_of, repo_root
-from feedback.state import SKIP_PARTS
+from feedback.state import ENV_PARTS, SKIP_PARTS
 
 VERSION = 1
 #: a file whose mtime or ctime lies this close to an observation is hashed too (coarse clocks, and file
@@ -60,10 +60,6 @@ MAX_FILES = 50_000
 KEEP = 64
 #: the harness's own packages: a new infra-agent judges differently, so its files are inputs too
 HARNESS_DIRS = tuple(str(pathlib.Path(__file__).resolve().parents[1] / p) for p in ("feedback", "infra_agent"))
-#: folders of installed packages inside a tree (uv and venv keep ``.venv`` in the project), not walked: tens of
-#: thousands of files that no probe covers, and whose packages the cache's key does not hold either (it holds
-#: torch's and Triton's versions, as the environment below does)
-ENV_PARTS = frozenset({".venv", "venv", "site-packages", "node_modules", ".tox", ".nox"})
 #: the variables that change how probes run (the interpreter, hidden GPUs, the tf32 emulation)
 ENV_VARS = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "INFRA_AGENT_EMULATE_DOT")
 
@@ -119,6 +115,8 @@ def _walk(folder: str, now_ns: int, find_racy: bool, racy: set[str]) -> list:
     written within :data:`RACY_NS` of ``now_ns`` are added to ``racy``."""
     h, n = hashlib.sha256(), 0
     for root, dirs, files in os.walk(folder):
+        # a virtual environment in the tree (uv and venv keep ``.venv`` in the project) is not walked: tens of
+        # thousands of files that no probe covers, whose packages the key holds by version (torch, Triton)
         dirs[:] = sorted(d for d in dirs if d not in SKIP_PARTS and d not in ENV_PARTS)
         for d in dirs:
             if os.path.islink(os.path.join(root, d)):

@@ -27,6 +27,9 @@ import pathlib
 NAME = ".infra-agent"
 #: path parts that walks over a target tree leave out (version control, our state, bytecode)
 SKIP_PARTS = frozenset({".git", NAME, "__pycache__"})
+#: folders of installed third-party code that a target may keep in its tree (a virtual environment): no
+#: walk for the target's own sources goes into one, unless it is asked for by path
+ENV_PARTS = frozenset({".venv", "venv", "site-packages", "node_modules", ".tox", ".nox"})
 
 
 def state_home() -> pathlib.Path:

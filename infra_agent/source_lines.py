@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from feedback.checks import parse
+from infra_agent.tamper import dotted
 
 HASH_COMMENTS = (".py", ".pyx", ".pyi", ".sh", ".bash", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".cmake", ".txt")
 SLASH_COMMENTS = (".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".h", ".hh", ".hpp", ".hxx", ".inl", ".metal", ".mlir",
@@ -76,8 +77,6 @@ def module(source: str | None, path: str = "<src>") -> ast.Module | None:
 
 def _called_name(node: ast.expr) -> str:
     """``a.b.c`` for a decorator or a with-item, called (``@triton.jit(...)``, ``with FileLock(p)``) or not."""
-    from infra_agent.tamper import dotted
-
     return dotted(node.func if isinstance(node, ast.Call) else node)
 
 
@@ -88,7 +87,7 @@ class Regions:
     docs: frozenset[int] = frozenset()  # docstrings and other bare string statements
     kernels: frozenset[int] = frozenset()  # bodies of functions decorated as device code (KERNEL_DECORATOR)
     locked: frozenset[int] = frozenset()  # bodies of with-blocks that hold a lock or a stream (LOCK_NAME)
-    launches: frozenset[int] = frozenset()  # kernel launches, ``kernel[grid](...)`` (:func:`_launches`)
+    launches: frozenset[int] = frozenset()  # kernel launches, ``kernel[grid](...)`` (:func:`python_regions`)
 
 
 def _span(node: ast.AST) -> range:
@@ -96,12 +95,21 @@ def _span(node: ast.AST) -> range:
 
 
 def python_regions(tree: ast.Module | None) -> Regions:
-    """The :class:`Regions` of a parsed Python source (none without one)."""
+    """The :class:`Regions` of a parsed Python source (none without one), from one walk of its tree.
+
+    A kernel launch is a call ``k[grid](args)`` of a subscripted name that is a kernel this source defines
+    (KERNEL_DECORATOR) or a name it imports (a kernel of another module, ``from .kernels import k``, or
+    reached through an imported module, ``ops.k[grid](...)``): its grid, its arguments' order and its
+    compile-time constants decide what the kernel computes.  A subscripted local (``handlers[name](x)``) is
+    not one.  The names are known only once the whole tree is seen, so the subscripted calls wait for them.
+    """
     if tree is None:
         return Regions()
     docs: set[int] = set()
     kernels: set[int] = set()
     locked: set[int] = set()
+    names: set[str] = set()  # kernels defined here and names imported: what a launch's subscript may start from
+    subscripted: list[tuple[str, ast.Call]] = []  # (the name the subscripted callee starts from, the call)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)):
@@ -109,43 +117,19 @@ def python_regions(tree: ast.Module | None) -> Regions:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 KERNEL_DECORATOR.search(_called_name(d)) for d in node.decorator_list):
             kernels.update(range(node.body[0].lineno, (node.end_lineno or node.lineno) + 1))
+            names.add(node.name)
         elif isinstance(node, (ast.With, ast.AsyncWith)) and any(
                 LOCK_NAME.search(_called_name(item.context_expr)) for item in node.items):
             locked.update(_span(node))
-    return Regions(frozenset(docs), frozenset(kernels), frozenset(locked), frozenset(_launches(tree)))
-
-
-def _root(node: ast.expr) -> str | None:
-    """The name an attribute chain starts from (``ops`` of ``ops.kda._fwd``), or None."""
-    while isinstance(node, ast.Attribute):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _launches(tree: ast.Module) -> set[int]:
-    """The lines of every kernel launch, ``k[grid](args)``: a call of a subscripted name that is a kernel this
-    source defines (KERNEL_DECORATOR) or a name it imports (a kernel of another module, ``from .kernels import
-    k``, or reached through an imported module, ``ops.k[grid](...)``).  Its grid, its arguments' order and its
-    compile-time constants decide what the kernel computes.  A subscripted local (``handlers[name](x)``) is
-    not one."""
-    kernels: set[str] = set()
-    imported: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                KERNEL_DECORATOR.search(_called_name(d)) for d in node.decorator_list):
-            kernels.add(node.name)
         elif isinstance(node, ast.ImportFrom):
-            imported.update(a.asname or a.name for a in node.names)
+            names.update(a.asname or a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            imported.update(a.asname or a.name.split(".")[0] for a in node.names)
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-            target = node.func.value
-            if (isinstance(target, ast.Name) and target.id in kernels | imported) or (
-                    isinstance(target, ast.Attribute) and _root(target) in imported):
-                lines.update(_span(node))
-    return lines
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and (
+                root := dotted(node.func.value).split(".")[0]):
+            subscripted.append((root, node))
+    launches = {line for root, call in subscripted if root in names for line in _span(call)}
+    return Regions(frozenset(docs), frozenset(kernels), frozenset(locked), frozenset(launches))
 
 
 def defaults(tree: ast.Module | None) -> dict[tuple[str, ...], tuple[str, int]]:

@@ -25,9 +25,9 @@ import yaml
 
 from feedback.checks import parse
 from feedback.manifest import MANIFEST_NAME, parse_manifest
-from feedback.state import SKIP_PARTS
+from feedback.state import ENV_PARTS, SKIP_PARTS
 
-_SKIP = SKIP_PARTS | {".venv", "venv", "build", "dist", "node_modules", ".tox", ".eggs", "site-packages"}
+_SKIP = SKIP_PARTS | ENV_PARTS | {"build", "dist", ".eggs"}
 _REFERENCE = re.compile(r"(^|_)(ref|reference|naive|torch_ref)(_|\.py$)")
 
 

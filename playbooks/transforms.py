@@ -118,27 +118,22 @@ def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: 
     """Put each positional argument that the argument-order check (``feedback/argorder.py``) found in another
     parameter's place back into its own: ``kernel[grid](k, q, ...)`` against ``def kernel(q, k, ...)`` becomes
     ``kernel[grid](q, k, ...)``.  Calls in the matched files only, judged against the definitions of the
-    packages they lie in; a declaration that every call disagrees with the same way is left alone (the
-    declaration, not the calls, is then what changed: a person decides)."""
+    whole tree (its virtual environments left out); a declaration that every call disagrees with the same
+    way is left alone (the declaration, not the calls, is then what changed: a person decides)."""
     from feedback.argorder import call_faults, restored_args
-    from feedback.state import SKIP_PARTS
+    from feedback.checks import python_files
 
     files = _files(matches)
-    roots = sorted({pathlib.PurePosixPath(rel).parts[0] for rel in files})
     sources: dict[str, str] = {}
     modules: list[tuple[ast.Module, str]] = []
-    for root in roots:
-        top = tree / root
-        for path in sorted([top] if top.is_file() else top.rglob("*.py")):
-            rel = path.relative_to(tree).as_posix()
-            if SKIP_PARTS & set(path.relative_to(tree).parts) or not path.is_file():
-                continue
-            try:
-                src = path.read_text()
-                modules.append((parse(src, rel), rel))
-            except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-                continue  # a file that does not parse has no calls to judge
-            sources[rel] = src
+    for path in python_files(tree, None):  # every definition a matched call may reach, as the check's default
+        rel = path.relative_to(tree.resolve()).as_posix()
+        try:
+            src = path.read_text()
+            modules.append((parse(src, rel), rel))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue  # a file that does not parse has no calls to judge
+        sources[rel] = src
     trees = {rel: mod for mod, rel in modules}
     faults: dict[str, list] = {}
     for found in call_faults(modules):

@@ -245,3 +245,55 @@ def test_a_static_check_over_its_threshold_is_localised_at_every_site_it_counted
     assert len(lines["x.div_none"]) == 2 and site in lines["x.div_none"][0], lines
     assert "loop_divisions = 1 violates <= 0" in lines["x.div_none"][1]
     assert lines["x.div_one"] == []
+
+
+def test_a_virtual_environment_in_the_tree_is_walked_only_when_a_path_names_it(tmp_path):
+    # uv and venv keep .venv in the project: thousands of installed files, none of them the target's own
+    from feedback.checks import python_files
+
+    for rel in ("pkg/a.py", ".venv/lib/python3.12/site-packages/dep/b.py", "web/node_modules/x/c.py",
+                "tools/venv/d.py", ".git/hooks/e.py", "pkg/__pycache__/f.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+
+    def rels(paths):
+        return [p.relative_to(tmp_path.resolve()).as_posix() for p in python_files(tmp_path, paths)]
+
+    assert rels(None) == ["pkg/a.py"]
+    assert rels([".venv/lib/python3.12/site-packages/dep"]) == [".venv/lib/python3.12/site-packages/dep/b.py"]
+    assert rels(["tools/venv/d.py", "pkg"]) == ["pkg/a.py", "tools/venv/d.py"]
+    assert rels([".git"]) == []  # version control and bytecode never, named or not
+
+
+def test_a_site_the_baseline_had_too_is_not_headlined_only_the_new_one(ext, tmp_path):
+    """A ratchet bound (max: the baseline's count) broken by one new site: beside the baseline's results, the
+    sites the baseline had are marked known and the headline names the new one, though every line moved."""
+    import shutil
+
+    from feedback.harness import judge
+
+    manifest = ext / "infra-agent.yaml"
+    manifest.write_text(manifest.read_text() + (
+        "  - {id: x.div_ratchet, kind: static, check: kernel_loop_division, params: {paths: [pkg/kernels.py]},\n"
+        "     covers: {files: ['pkg/*.py']}, thresholds: {loop_divisions: {max: 1}}}\n"))
+    base = tmp_path / "base"
+    shutil.copytree(ext, base)
+    # the candidate: two lines above the known site, and a second division in the same loop after it
+    loop = "        h = h / 2.0\n"
+    (ext / "pkg" / "kernels.py").write_text(KERNELS.replace("import ctypes\n", "import ctypes\nimport os\n\n")
+                                            .replace(loop, loop + "        h = h / 3.0\n"))
+    report = judge(ext, probe_ids=["x.div_ratchet"], baseline_tree=base, use_cache=False, run_all=True)
+    (cand,) = report.results
+    (before,) = report.baseline_results
+    assert before.status == Status.passed and cand.status == Status.failed
+    failed = [f for f in cand.findings if f.failed]
+    new_line = _line(KERNELS, "h = h / 2.0") + 3
+    assert [f.location.condition for f in failed if f.location.condition] == [f"line {new_line}"], cand.findings
+    assert any("violates" in f.message for f in failed)  # the bound's own finding stays failed
+    (known,) = [f for f in cand.findings if f.message.endswith("(on the baseline too)")]
+    assert known.location.condition == f"line {new_line - 1}" and not known.failed
+    (lines,) = [c.localisation for c in report.comparisons if c.probe == "x.div_ratchet"]
+    assert f"pkg/kernels.py:{new_line}" in lines[0] and not any(f":{new_line - 1}" in ln for ln in lines), lines
+    # without a baseline every counted site is what failed, as before
+    alone = judge(ext, probe_ids=["x.div_ratchet"], use_cache=False, run_all=True).results[0]
+    assert sum(f.failed for f in alone.findings) == 3

@@ -346,3 +346,28 @@ def test_the_argument_order_transform_puts_each_argument_back_and_leaves_a_decla
     run_transform(LIB["restore-argument-order"], t, app)  # the next application: the inner calls
     assert "outer(inner(q, k).q, inner(q, k).k)" in (t / "pkg" / "ops.py").read_text()
     assert run_check("argument_order", t, ["pkg"])[1] == 1
+
+
+def test_the_argument_order_transform_reaches_a_definition_in_another_package(tmp_path):
+    # the kernel is defined (and called in order) in one top-level package and called out of order from
+    # another: the transform judges that call against the definition wherever in the tree it lies (a
+    # virtual environment's copy aside)
+    from feedback.checks import run_check
+
+    definition = "def mix(q, k, o):\n    return q\n"
+    t = tree(tmp_path, {
+        "kern/__init__.py": "", "kern/ops.py": definition,
+        "kern/use.py": "from kern.ops import mix\n\n\ndef use(q, k, o):\n    mix(q, k, o)\n",
+        "app/__init__.py": "", "app/run.py": "from kern.ops import mix\n\n\ndef go(q, k, o):\n    mix(k, q, o)\n",
+        ".venv/lib/site-packages/kern/ops.py": "def mix(k, q, o):\n    return q\n",  # never judged against
+    })
+    sites = run_check("argument_order", t)[2]
+    assert [(s.file, s.line) for s in sites] == [("app/run.py", 5)], [s.message for s in sites]
+    rep = report(ProbeResult(probe="s.static.argument_order", status=Status.failed, findings=[
+        Finding(message=s.message, location=Location(file=s.file, condition=f"line {s.line}"), failed=True)
+        for s in sites]))
+    app = evaluate(LIB["restore-argument-order"], rep, t)
+    assert app.applies and {m.file for m in app.code_matches} == {"app/run.py"}, app.reason
+    assert run_transform(LIB["restore-argument-order"], t, app) == ["app/run.py"]
+    assert "    mix(q, k, o)\n" in (t / "app" / "run.py").read_text()
+    assert (t / "kern" / "ops.py").read_text() == definition and run_check("argument_order", t)[1] == 0

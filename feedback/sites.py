@@ -1,0 +1,80 @@
+"""Which of a static check's sites a candidate added, and which its baseline had already.
+
+A starter manifest bounds each static check at the count the tree had when it began (a ratchet:
+``thresholds: {misplaced_arguments: {max: 3}}``).  A candidate that adds a fourth site breaks the bound,
+and the runner marks every counted site as failed (:meth:`feedback.runner.Runner._run_check`): four
+lines, one of them new.  With the baseline's results beside the candidate's, the sites the baseline
+had too are told apart here: they stay in the report, marked ``(on the baseline too)`` and no longer
+failed, so the headline and the localisation name the new site.
+
+A site is known by its file, its symbol, its message (line numbers in it left out) and the text of
+its source line: an edit above it moves its line number, not its identity.  Identical sites are
+counted, so a second copy of a known line is still new.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections import Counter
+from collections.abc import Callable
+
+from feedback.manifest import Manifest
+from feedback.models import Finding, ProbeResult, Status
+
+KNOWN = " (on the baseline too)"
+_AT_LINE = re.compile(r"^line (\d+)")
+_NUMBERS = re.compile(r":\d+\b|\bline \d+")
+
+SiteKey = tuple[str, str, str, str]
+
+
+def _reader(tree: pathlib.Path) -> Callable[[str, int], str | None]:
+    lines: dict[str, list[str]] = {}
+
+    def line(rel: str, n: int) -> str | None:
+        if rel not in lines:
+            try:
+                lines[rel] = (tree / rel).read_text(errors="replace").splitlines()
+            except OSError:
+                lines[rel] = []
+        text = lines[rel]
+        return text[n - 1].strip() if 0 < n <= len(text) else None
+
+    return line
+
+
+def _key(finding: Finding, line: Callable[[str, int], str | None]) -> SiteKey | None:
+    """The site's identity, or None for a finding that is not at a source line (a bound, a note)."""
+    loc = finding.location
+    at = _AT_LINE.match(loc.condition or "")
+    if not (at and loc.file):
+        return None
+    text = line(loc.file, int(at[1]))
+    if text is None:
+        return None
+    return loc.file, loc.symbol or "", _NUMBERS.sub("", finding.message), text
+
+
+def mark_known(manifest: Manifest, tree: str | pathlib.Path, results: list[ProbeResult],
+               base_tree: str | pathlib.Path, base_results: list[ProbeResult]) -> list[ProbeResult]:
+    """``results`` with each failed static site that the baseline's result of the same probe also reported
+    marked as known (:data:`KNOWN`, not failed); the rest unchanged."""
+    base = {r.probe: r for r in base_results if r.status in (Status.passed, Status.failed)}
+    static = {p.id for p in manifest.probes if p.kind == "static"}
+    cand_line, base_line = _reader(pathlib.Path(tree)), _reader(pathlib.Path(base_tree))
+    out = []
+    for result in results:
+        before = base.get(result.probe)
+        if result.probe not in static or result.status != Status.failed or before is None:
+            out.append(result)
+            continue
+        known = Counter(k for f in before.findings if (k := _key(f, base_line)) is not None)
+        findings = []
+        for f in result.findings:
+            if f.failed and (k := _key(f, cand_line)) is not None and known[k] > 0:
+                known[k] -= 1
+                f = f.model_copy(update={"failed": False, "message": f.message + KNOWN})
+            findings.append(f)
+        out.append(result.model_copy(update={"findings": findings}))
+    return out
