@@ -46,13 +46,14 @@ class Site:
     message: str
 
 
-def _name(node: ast.AST) -> str:
+def dotted_name(node: ast.AST) -> str:
+    """``a.b.c`` for a name, an attribute chain or the callee of a call (through calls: ``f().g`` is ``f.g``)."""
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
-        return f"{_name(node.value)}.{node.attr}"
+        return f"{dotted_name(node.value)}.{node.attr}"
     if isinstance(node, ast.Call):
-        return _name(node.func)
+        return dotted_name(node.func)
     return ""
 
 
@@ -60,7 +61,7 @@ def _is_kernel(fn: ast.AST) -> bool:
     """A function decorated ``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)`` over it, ...)."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    return any(_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in fn.decorator_list)
+    return any(dotted_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in fn.decorator_list)
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
@@ -79,17 +80,17 @@ def _fp32_expr(node: ast.AST, fp32: set[str]) -> bool:
     if isinstance(node, ast.Name):
         return node.id in fp32
     if isinstance(node, ast.Call):
-        fn = _name(node.func)
+        fn = dotted_name(node.func)
         last = fn.split(".")[-1]
         if last == "to" and node.args:  # x.to(tl.float32): fp32; x.to(anything else): not
-            return _name(node.args[0]) in _FP32
+            return dotted_name(node.args[0]) in _FP32
         if last in ("zeros", "full", "zeros_like", "full_like") and fn.startswith(("tl.", "triton.language.")):
             dtype = next((k.value for k in node.keywords if k.arg == "dtype"), node.args[-1] if len(node.args) > 1
                          else None)
-            return dtype is not None and _name(dtype) in _FP32
+            return dtype is not None and dotted_name(dtype) in _FP32
         if fn in ("tl.dot", "triton.language.dot"):  # accumulates in fp32 unless told otherwise
             out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
-            return out is None or _name(out) in _FP32
+            return out is None or dotted_name(out) in _FP32
         if last in _ELEMENTWISE:
             operand = node.func.value if isinstance(node.func, ast.Attribute) and not fn.startswith("tl.") else None
             return any(_fp32_expr(a, fp32) for a in [*node.args, *([operand] if operand is not None else [])])
@@ -115,7 +116,7 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False) -> Iterator[ast.Call
     for node in ast.walk(fn):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
             events.append(((node.end_lineno, node.end_col_offset, 1), node))
-        elif isinstance(node, ast.Call) and _name(node.func) in ("tl.dot", "triton.language.dot"):
+        elif isinstance(node, ast.Call) and dotted_name(node.func) in ("tl.dot", "triton.language.dot"):
             events.append(((node.lineno, node.col_offset, 0), node))
     fp32: set[str] = set()
     for _, node in sorted(events, key=lambda e: e[0]):
@@ -144,17 +145,44 @@ def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site
                        "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
 
 
+def import_aliases(tree: ast.AST) -> dict[str, str]:
+    """What each name a module binds by import stands for: ``{"C": "ctypes", "pydll": "ctypes.pydll"}``."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names if a.name != "*"})
+    return out
+
+
+#: the ctypes loaders whose functions run with the GIL held, and its handle on the interpreter's own C API
+GIL_HOLDING = ("ctypes.PyDLL", "ctypes.pydll", "ctypes.pythonapi")
+
+
 def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
     enclosing = {}
     for fn in _functions(tree):
         for node in ast.walk(fn):
             enclosing.setdefault(id(node), fn.name)
+    imported = import_aliases(tree)
+    inner: set[int] = set()  # a chain's inner names, already reported with the chain they start
+    sites = []
     for node in ast.walk(tree):
-        name = _name(node) if isinstance(node, (ast.Call, ast.Attribute)) else ""
-        if isinstance(node, ast.Call) and name.split(".")[-1] == "PyDLL" or \
-                isinstance(node, ast.Attribute) and name in ("ctypes.pydll", "ctypes.pythonapi"):
-            yield Site(rel, node.lineno, enclosing.get(id(node)),
-                       f"{name}: its calls hold the GIL for their whole duration (CDLL releases it)")
+        if not isinstance(node, (ast.Name, ast.Attribute)) or id(node) in inner:
+            continue
+        name = dotted_name(node)
+        root, _, rest = name.partition(".")
+        full = ".".join(filter(None, (imported.get(root, root), rest)))  # through the file's import aliases
+        hit = next((g for g in GIL_HOLDING if full == g or full.startswith(g + ".")), None)
+        if hit is None and full.rsplit(".", 1)[-1] == "PyDLL":
+            hit = "PyDLL"  # a PyDLL reached through another module (a re-export, a vendored ctypes)
+        if hit is not None:
+            inner.update(id(n) for n in ast.walk(node))
+            sites.append(Site(rel, node.lineno, enclosing.get(id(node)),
+                              f"{name}: its calls hold the GIL for their whole duration (CDLL releases it)"))
+    yield from sorted(sites, key=lambda s: s.line)
 
 
 def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
@@ -164,7 +192,7 @@ def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
                 continue
             for node in ast.walk(loop):
                 div = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) or \
-                    isinstance(node, ast.Call) and _name(node.func).split(".")[-1] in ("fdiv", "div_rn")
+                    isinstance(node, ast.Call) and dotted_name(node.func).split(".")[-1] in ("fdiv", "div_rn")
                 if div:
                     yield Site(rel, node.lineno, fn.name, f"division in the kernel's loop: {ast.unparse(node)[:80]}")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import re
 from typing import Any
 
 from feedback.checks import parse
@@ -86,15 +85,50 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
     return changed
 
 
+#: ctypes' loaders that hold the GIL through each call, and the ones that release it
+_RELEASING = {"PyDLL": "CDLL", "pydll": "cdll"}
+
+
 def pydll_to_cdll(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str, Any]) -> list[str]:
-    """Load native libraries with ``ctypes.CDLL``, which releases the GIL around every call."""
+    """Load native libraries with ``ctypes.CDLL``, which releases the GIL around every call: every reference
+    to ``ctypes.PyDLL`` or ``ctypes.pydll`` in the matched files, however the file imported it (``import
+    ctypes as C``, ``from ctypes import PyDLL as Loader``, ``from ctypes import pydll``), is turned into its
+    releasing twin.  ``ctypes.pythonapi`` is the interpreter's own C API, which must hold the GIL: left alone."""
+    from feedback.checks import dotted_name, import_aliases
+
     changed = []
     for rel in _files(matches):
         path = tree / rel
-        src = path.read_text()
-        new = re.sub(r"\bctypes\.PyDLL\(", "ctypes.CDLL(", src)
-        new = re.sub(r"\bctypes\.pydll\.LoadLibrary\(", "ctypes.cdll.LoadLibrary(", new)
-        if new != src:
+        try:
+            src = path.read_text()
+            mod = parse(src, rel)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        aliases, pos = import_aliases(mod), _position(src)
+        edits: list[tuple[int, int, str]] = []
+        for node in ast.walk(mod):
+            if isinstance(node, ast.ImportFrom) and node.module == "ctypes" and not node.level and any(
+                    a.name in _RELEASING for a in node.names):
+                names: list[ast.alias] = []
+                for a in node.names:  # the twin under the same local name; a twin imported already, once
+                    twin = ast.alias(_RELEASING.get(a.name, a.name), a.asname)
+                    if all((n.name, n.asname) != (twin.name, twin.asname) for n in names):
+                        names.append(twin)
+                edits.append((pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset),
+                              ast.unparse(ast.ImportFrom(module="ctypes", names=names, level=0))))
+            elif isinstance(node, ast.Attribute) and node.attr in _RELEASING:
+                root, _, rest = dotted_name(node.value).partition(".")
+                if ".".join(filter(None, (aliases.get(root, root), rest))) == "ctypes":
+                    end = pos(node.end_lineno, node.end_col_offset)
+                    edits.append((end - len(node.attr), end, _RELEASING[node.attr]))
+            elif (isinstance(node, ast.Name) and node.id in _RELEASING
+                  and aliases.get(node.id) == f"ctypes.{node.id}"):  # imported under its own name: renamed there
+                edits.append((pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset),
+                              _RELEASING[node.id]))
+        if edits:
+            new = src
+            for start, end, text in sorted(set(edits), reverse=True):
+                new = new[:start] + text + new[end:]
             path.write_text(new)
             changed.append(rel)
     return changed

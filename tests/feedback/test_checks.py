@@ -297,3 +297,35 @@ def test_a_site_the_baseline_had_too_is_not_headlined_only_the_new_one(ext, tmp_
     # without a baseline every counted site is what failed, as before
     alone = judge(ext, probe_ids=["x.div_ratchet"], use_cache=False, run_all=True).results[0]
     assert sum(f.failed for f in alone.findings) == 3
+
+
+def test_gil_native_follows_the_file_s_import_aliases():
+    # every way a module reaches ctypes' GIL-holding loaders is one site; CDLL and cdll release the GIL
+    import ast
+
+    from feedback.checks import gil_native
+
+    src = textwrap.dedent('''
+        import ctypes
+        import ctypes as C
+        from ctypes import CDLL, pydll, pythonapi as api, PyDLL as Loader
+        from .compat import PyDLL
+
+        a = ctypes.PyDLL("liba.so")
+        b = C.pydll.LoadLibrary("libb.so")
+        c = pydll.libc
+        d = api.PyCapsule_GetPointer
+        e = Loader("libe.so")
+        f = CDLL("libf.so")
+        g = ctypes.cdll.LoadLibrary("libg.so")
+        h = PyDLL("libh.so")
+
+
+        def run(x):
+            return C.CDLL("x").go(x) + ctypes.pydll.LoadLibrary("y").go(x)
+    ''')
+    sites = list(gil_native(ast.parse(src), "m.py"))
+    lines = src.splitlines()
+    assert [lines[s.line - 1].split(" = ")[0].strip() for s in sites[:-1]] == list("abcdeh")
+    assert sites[-1].symbol == "run" and sites[-1].message.startswith("ctypes.pydll.LoadLibrary")
+    assert all("hold the GIL" in s.message for s in sites) and len(sites) == 7

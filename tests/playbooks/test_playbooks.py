@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -371,3 +372,40 @@ def test_the_argument_order_transform_reaches_a_definition_in_another_package(tm
     assert run_transform(LIB["restore-argument-order"], t, app) == ["app/run.py"]
     assert "    mix(q, k, o)\n" in (t / "app" / "run.py").read_text()
     assert (t / "kern" / "ops.py").read_text() == definition and run_check("argument_order", t)[1] == 0
+
+
+def test_the_gil_transform_follows_every_way_a_file_imports_the_loader(tmp_path):
+    # the check names each of these (feedback/checks.gil_native); the transform gives each its releasing twin
+    src = textwrap.dedent('''\
+        import ctypes
+        import ctypes as C
+        from ctypes import CDLL, PyDLL, pydll, pythonapi
+        from ctypes import PyDLL as Loader
+
+        a = ctypes.PyDLL("liba.so")
+        b = C.pydll.LoadLibrary("libb.so")
+        c = pydll.libc
+        d = Loader("libd.so")
+        e = PyDLL("libe.so")  # PyDLL in a comment stays
+        f = pythonapi.PyCapsule_GetPointer
+    ''')
+    t = tree(tmp_path, {"n.py": src})
+    app = evaluate(LIB["release-gil-native-calls"], report(metrics("e", heartbeat_max_gap_ms=20.0)), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["release-gil-native-calls"], t, app) == ["n.py"]
+    out = (t / "n.py").read_text()
+    assert out == textwrap.dedent('''\
+        import ctypes
+        import ctypes as C
+        from ctypes import CDLL, cdll, pythonapi
+        from ctypes import CDLL as Loader
+
+        a = ctypes.CDLL("liba.so")
+        b = C.cdll.LoadLibrary("libb.so")
+        c = cdll.libc
+        d = Loader("libd.so")
+        e = CDLL("libe.so")  # PyDLL in a comment stays
+        f = pythonapi.PyCapsule_GetPointer
+    '''), out
+    from feedback.checks import run_check
+    assert run_check("gil_native", t)[1] == 1  # the interpreter's own C API, which must hold the GIL
