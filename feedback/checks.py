@@ -70,63 +70,80 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
             yield node
 
 
-_FP32 = ("tl.float32", "triton.language.float32", "tl.fp32")
+_FP32 = ("tl.float32", "tl.fp32")  # as triton_name spells them
 _ELEMENTWISE = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "abs", "maximum", "minimum", "where",
                 "sum", "cumsum", "max", "min", "trans", "reshape", "broadcast_to", "expand_dims", "permute", "view"}
 
 
-def _fp32_expr(node: ast.AST, fp32: set[str]) -> bool:
+def triton_name(node: ast.AST, aliases: dict[str, str]) -> str:
+    """The dotted name of ``node`` through the module's import aliases, with Triton's language as ``tl``:
+    ``T.dot`` after ``import triton.language as T``, or ``dot`` after ``from triton.language import dot``,
+    is ``tl.dot``."""
+    name = dotted_name(node)
+    root, _, rest = name.partition(".")
+    full = ".".join(filter(None, (aliases.get(root, root), rest)))
+    return "tl." + full.removeprefix("triton.language.") if full.startswith("triton.language.") else full
+
+
+def _fp32_expr(node: ast.AST, fp32: set[str], aliases: dict[str, str]) -> bool:
     """Whether ``node`` is, as far as the kernel's own text says, an fp32 tensor."""
+    def is32(n: ast.AST) -> bool:
+        return _fp32_expr(n, fp32, aliases)
+
     if isinstance(node, ast.Name):
         return node.id in fp32
     if isinstance(node, ast.Call):
-        fn = dotted_name(node.func)
+        fn = triton_name(node.func, aliases)
         last = fn.split(".")[-1]
         if last == "to" and node.args:  # x.to(tl.float32): fp32; x.to(anything else): not
-            return dotted_name(node.args[0]) in _FP32
-        if last in ("zeros", "full", "zeros_like", "full_like") and fn.startswith(("tl.", "triton.language.")):
+            return triton_name(node.args[0], aliases) in _FP32
+        if last in ("zeros", "full", "zeros_like", "full_like") and fn.startswith("tl."):
             dtype = next((k.value for k in node.keywords if k.arg == "dtype"), node.args[-1] if len(node.args) > 1
                          else None)
-            return dtype is not None and dotted_name(dtype) in _FP32
-        if fn in ("tl.dot", "triton.language.dot"):  # accumulates in fp32 unless told otherwise
+            return dtype is not None and triton_name(dtype, aliases) in _FP32
+        if fn == "tl.dot":  # accumulates in fp32 unless told otherwise
             out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
-            return out is None or dotted_name(out) in _FP32
+            return out is None or triton_name(out, aliases) in _FP32
         if last in _ELEMENTWISE:
             operand = node.func.value if isinstance(node.func, ast.Attribute) and not fn.startswith("tl.") else None
-            return any(_fp32_expr(a, fp32) for a in [*node.args, *([operand] if operand is not None else [])])
+            return any(map(is32, [*node.args, *([operand] if operand is not None else [])]))
         return False
     if isinstance(node, ast.BinOp):
-        return _fp32_expr(node.left, fp32) or _fp32_expr(node.right, fp32)
+        return is32(node.left) or is32(node.right)
     if isinstance(node, ast.UnaryOp):
-        return _fp32_expr(node.operand, fp32)
+        return is32(node.operand)
     if isinstance(node, ast.Subscript):
-        return _fp32_expr(node.value, fp32)
+        return is32(node.value)
     if isinstance(node, ast.Attribute) and node.attr == "T":
-        return _fp32_expr(node.value, fp32)
+        return is32(node.value)
     if isinstance(node, ast.IfExp):
-        return _fp32_expr(node.body, fp32) or _fp32_expr(node.orelse, fp32)
+        return is32(node.body) or is32(node.orelse)
     return False
 
 
-def implicit_dots(fn: ast.FunctionDef, every: bool = False) -> Iterator[ast.Call]:
+def implicit_dots(fn: ast.FunctionDef, every: bool = False,
+                  aliases: dict[str, str] | None = None) -> Iterator[ast.Call]:
     """The ``tl.dot`` calls of kernel ``fn`` with an fp32 operand and no stated precision (``every``: any
-    dot without one).  Which local names hold fp32 is followed through the kernel in source order: each
-    dot is judged by the assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
+    dot without one; ``aliases``: its module's imports, :func:`import_aliases`, however it names ``tl``).
+    Which local names hold fp32 is followed through the kernel in source order: each dot is judged by the
+    assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
+    aliases = aliases or {}
     events = []
     for node in ast.walk(fn):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
             events.append(((node.end_lineno, node.end_col_offset, 1), node))
-        elif isinstance(node, ast.Call) and dotted_name(node.func) in ("tl.dot", "triton.language.dot"):
+        elif isinstance(node, ast.Call) and triton_name(node.func, aliases) == "tl.dot":
             events.append(((node.lineno, node.col_offset, 0), node))
     fp32: set[str] = set()
     for _, node in sorted(events, key=lambda e: e[0]):
         if isinstance(node, ast.Call):
             if not {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"} and \
-                    (every or any(_fp32_expr(a, fp32) for a in node.args[:2])):
+                    (every or any(_fp32_expr(a, fp32, aliases) for a in node.args[:2])):
                 yield node
             continue
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        is32 = _fp32_expr(node.value, fp32) or (isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32))
+        is32 = _fp32_expr(node.value, fp32, aliases) or (
+            isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32, aliases))
         for t in targets:
             if isinstance(t, ast.Name):
                 (fp32.add if is32 else fp32.discard)(t.id)
@@ -139,8 +156,9 @@ def kernels(tree: ast.AST) -> Iterator[ast.FunctionDef]:
 
 def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
     """fp32 ``tl.dot`` calls without an explicit ``input_precision`` (:func:`implicit_dots`)."""
+    aliases = import_aliases(tree)
     for fn in kernels(tree):
-        for node in implicit_dots(fn, every):
+        for node in implicit_dots(fn, every, aliases):
             yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
                        "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from feedback.checks import parse
+from feedback.checks import import_aliases, parse, triton_name
 from feedback.manifest import Manifest, path_matches
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
@@ -193,13 +193,14 @@ def ast_findings(path: str, source: str, lines: set[int], tree: ast.Module | Non
     out = []
     tree = parse(source, path) if tree is None else tree
     text = source.splitlines()
+    aliases = import_aliases(tree)  # `from threading import Thread`, `import ctypes as C`: the names they stand for
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         span = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
         if not span & lines:
             continue
-        name = tamper.dotted(node.func)
+        name = triton_name(node.func, aliases)
         for prefix, cat in AST_CALLS.items():
             if name == prefix or name.startswith(prefix + "."):
                 out.append(RiskFinding(rule=f"ast.call:{prefix}", category=cat, file=path, line=node.lineno,

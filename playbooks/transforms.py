@@ -25,15 +25,21 @@ def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str
     """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` where
     tf32 tensor cores exist: NVIDIA, compute capability 8.0 or newer; ``fallback`` elsewhere), and the
     number of characters inserted before the first line that follows the imports."""
+    from feedback.checks import import_aliases
+
     imports = [n for n in mod.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     has_torch = any(isinstance(n, ast.Import) and any(a.name == "torch" and not a.asname for a in n.names)
                     for n in imports)
+    # the module's own name for triton.language (tl, T, triton.language), or one imported here
+    aliases = import_aliases(ast.Module(body=imports, type_ignores=[]))
+    lang = next((k for k, v in sorted(aliases.items()) if v == "triton.language"), None) or next(
+        (f"{k}.language" for k, v in sorted(aliases.items()) if v == "triton"), None)
     after = max((n.end_lineno for n in imports), default=0)
     lines = src.splitlines(keepends=True)
-    block = ("" if has_torch else "import torch\n") + (
+    block = ("" if has_torch else "import torch\n") + ("" if lang else "import triton.language as tl\n") + (
         f"\n# fp32 dot chains: {precision} where tf32 tensor cores exist (NVIDIA, compute capability >= 8.0), "
         f"{fallback} elsewhere\n"
-        f"{PRECISION_CONSTANT} = tl.constexpr(\n"
+        f"{PRECISION_CONSTANT} = {lang or 'tl'}.constexpr(\n"
         f"    {precision!r} if torch.cuda.is_available() and torch.version.hip is None\n"
         f"    and torch.cuda.get_device_capability()[0] >= 8 else {fallback!r})\n")
     head = "".join(lines[:after])
@@ -50,28 +56,27 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
     otherwise a module-level constexpr, ``precision`` (tf32x3) where tf32 tensor cores exist and
     ``fallback`` (ieee) elsewhere, never a hard-coded tf32.
     """
-    from feedback.checks import implicit_dots, kernels
+    from feedback.checks import implicit_dots, import_aliases, kernels
 
     changed = []
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
         mod = parse(src, rel)
-        lines = src.splitlines(keepends=True)
-        offsets = [0]
-        for ln in lines:
-            offsets.append(offsets[-1] + len(ln))
+        pos, aliases = _position(src), import_aliases(mod)
         matched = {m.line for m in matches if m.file == rel}
-        chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn)]
+        chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in kernels(mod)
+                                                          for d in implicit_dots(fn, aliases=aliases)]
         if not chosen:
-            chosen = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn, every=True) if d.lineno in matched]
+            chosen = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn, every=True, aliases=aliases)
+                      if d.lineno in matched]
         edits: list[tuple[int, str]] = []
         constant = False
         for fn, node in chosen:
             params = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
             prec = next((p for p in params if p.upper().endswith("PRECISION")), None)
             constant |= prec is None
-            end = offsets[node.end_lineno - 1] + node.end_col_offset - 1  # the closing parenthesis
+            end = pos(node.end_lineno, node.end_col_offset) - 1  # the closing parenthesis
             edits.append((end, f", input_precision={prec or PRECISION_CONSTANT}"))
         if not edits:
             continue

@@ -118,6 +118,20 @@ def test_ast_checks_find_multiline_calls_on_added_lines(tmp_path):
     assert "ast.call:tl.dot" in rules and "ast.kwarg:out_dtype" in rules
 
 
+def test_ast_calls_are_named_through_the_file_s_imports():
+    # `from threading import Thread`, `import ctypes as C`, `import triton.language as T`: the calls they make
+    # are the same risky calls as threading.Thread, ctypes.PyDLL and tl.dot; a local `Thread` is not
+    from infra_agent.gate import ast_findings
+
+    src = ("from threading import Thread\nimport ctypes as C\nimport triton.language as T\n\n\n"
+           "def go(a, b, f):\n    Thread(target=f).start()\n    lib = C.PyDLL('x.so')\n    return T.dot(a, b)\n")
+    rules = {(f.rule, f.category) for f in ast_findings("m.py", src, {7, 8, 9})}
+    assert rules == {("ast.call:threading.Thread", "concurrency"), ("ast.call:ctypes.PyDLL", "concurrency"),
+                     ("ast.call:tl.dot", "numerics")}, rules
+    local = "class Thread:\n    pass\n\n\ndef go(f):\n    return Thread()\n"
+    assert ast_findings("m.py", local, {6}) == []
+
+
 def test_gate_cli_exit_codes_on_the_bundled_target(tmp_path):
     tree = materialize_bundled(tmp_path / "ts")
     cp = "target_stack/ops/kda/cp.py"

@@ -409,3 +409,48 @@ def test_the_gil_transform_follows_every_way_a_file_imports_the_loader(tmp_path)
     '''), out
     from feedback.checks import run_check
     assert run_check("gil_native", t)[1] == 1  # the interpreter's own C API, which must hold the GIL
+
+
+ALIASED_DOTS = '''\
+import triton
+import triton.language as T
+from triton.language import dot
+
+
+@triton.jit
+def merge(a_ptr, b_ptr, o_ptr, N: T.constexpr):
+    r = T.arange(0, N)
+    a = T.load(a_ptr + r[:, None] * N + r[None, :])
+    b = T.load(b_ptr + r[:, None] * N + r[None, :])
+    s = T.zeros([N, N], dtype=T.float32) + a
+    é = 1; h = T.dot(s, b)  # a non-ASCII name before the dot on its line
+    h = dot(h, b)
+    low = dot(a.to(T.bfloat16), b.to(T.bfloat16))
+    T.store(o_ptr + r[:, None] * N + r[None, :], h + low)
+'''
+
+
+def test_the_dot_check_and_transform_follow_the_module_s_names_for_triton_language(tmp_path):
+    # T.dot after `import triton.language as T`, dot after `from triton.language import dot`: the same fp32
+    # dots as tl.dot; the constant is built with the module's own name for the language
+    import ast
+
+    from feedback.checks import run_check
+
+    t = tree(tmp_path, {"k.py": ALIASED_DOTS})
+    _, n, sites = run_check("dot_precision", t)
+    assert n == 2 and [s.line for s in sites] == [i for i, ln in enumerate(ALIASED_DOTS.splitlines(), 1)
+                                                  if "h = " in ln and "dot(" in ln]
+    app = evaluate(LIB["tf32x3-fp32-dot-chains"], report(finding("s", "tl.dot without input_precision")), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["tf32x3-fp32-dot-chains"], t, app) == ["k.py"]
+    src = (t / "k.py").read_text()
+    ast.parse(src)
+    assert "é = 1; h = T.dot(s, b, input_precision=FP32_DOT_PRECISION)  # a non-ASCII" in src
+    assert "h = dot(h, b, input_precision=FP32_DOT_PRECISION)" in src
+    assert "low = dot(a.to(T.bfloat16), b.to(T.bfloat16))\n" in src  # bf16 products: exact, left alone
+    assert "FP32_DOT_PRECISION = T.constexpr(" in src and "import triton.language as tl" not in src
+    assert run_check("dot_precision", t)[1] == 0
+    namespace: dict = {}
+    exec(compile(src.split("@triton.jit")[0], "k.py", "exec"), namespace)
+    assert namespace["FP32_DOT_PRECISION"].value in ("tf32x3", "ieee")
