@@ -207,11 +207,18 @@ def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: 
     return changed
 
 
-def _tl_call(node: ast.expr, name: str) -> ast.Call | None:
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl" and len(node.args) == 1):
-        return node
-    return None
+def _tl_call(node: ast.expr, name: str, aliases: dict[str, str], src: str) -> tuple[ast.Call, str] | None:
+    """``node`` as a one-argument call of ``triton.language.<name>`` however the module spells it, with the
+    prefix that names the language there (``tl.``, ``T.``, ``triton.language.``); None otherwise, or where the
+    function was imported bare and the module has no name for the language to write another with."""
+    from feedback.checks import triton_name
+
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and triton_name(node.func, aliases) == f"tl.{name}"):
+        return None
+    if isinstance(node.func, ast.Attribute):
+        return node, ast.get_source_segment(src, node.func.value) + "."
+    lang = next((k for k, v in sorted(aliases.items()) if v == "triton.language"), None)
+    return (node, f"{lang}.") if lang else None
 
 
 def _negated(arg: ast.expr, src: str) -> str:
@@ -225,14 +232,18 @@ def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str
     """Divisions by a special function become multiplies: ``x / tl.sqrt(y)`` -> ``x * tl.rsqrt(y)`` and
     ``x / tl.exp(y)`` -> ``x * tl.exp(-y)`` (a subscript or call on the divisor, ``tl.exp(y)[:, None]``,
     is kept); ``1 / tl.sqrt(y)`` is ``tl.rsqrt(y)``.  A full-precision division costs many
-    instructions; the multiply one."""
+    instructions; the multiply one.  The language is named as the module names it (``T.sqrt`` after
+    ``import triton.language as T``)."""
+    from feedback.checks import import_aliases
+
     changed = []
     for rel in _files(matches):
         path = tree / rel
         src = path.read_text()
-        pos = _position(src)
+        pos, mod = _position(src), parse(src, rel)
+        aliases = import_aliases(mod)
         edits: list[tuple[int, int, str]] = []  # (start, end, replacement) of the operator and divisor
-        for node in ast.walk(parse(src, rel)):
+        for node in ast.walk(mod):
             if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
                 continue
             divisor, suffix = node.right, ""
@@ -240,10 +251,12 @@ def rsqrt_multiply(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str
                 suffix = src[pos(divisor.value.end_lineno, divisor.value.end_col_offset):
                              pos(divisor.end_lineno, divisor.end_col_offset)]
                 divisor = divisor.value
-            if (call := _tl_call(divisor, "sqrt")) is not None:
-                repl = f"* tl.rsqrt({ast.get_source_segment(src, call.args[0])}){suffix}"
-            elif (call := _tl_call(divisor, "exp")) is not None:
-                repl = f"* tl.exp({_negated(call.args[0], src)}){suffix}"
+            if (found := _tl_call(divisor, "sqrt", aliases, src)) is not None:
+                call, tl = found
+                repl = f"* {tl}rsqrt({ast.get_source_segment(src, call.args[0])}){suffix}"
+            elif (found := _tl_call(divisor, "exp", aliases, src)) is not None:
+                call, tl = found
+                repl = f"* {tl}exp({_negated(call.args[0], src)}){suffix}"
             else:
                 continue
             # from the operator itself (a parenthesised left operand ends after its own parenthesis)

@@ -170,6 +170,19 @@ def test_the_division_transform_rewrites_sqrt_and_exp_divisors_and_nothing_else(
                                         "z = a / b\n")
 
 
+def test_the_division_transform_names_the_language_as_the_module_does(tmp_path):
+    # `import triton.language as T`, `from triton.language import sqrt`: the same divisions as tl.sqrt; the
+    # rewrite spells the language the module's way; numpy's sqrt is not Triton's
+    src = ("import numpy as np\nimport triton.language as T\nfrom triton.language import exp, sqrt\n\n"
+           "y = a / T.sqrt(v)\nh = h / exp(g)\nr = 1 / sqrt(v + eps)\nn = a / np.sqrt(v)\n")
+    t = tree(tmp_path, {"k.py": src})
+    app = evaluate(LIB["reciprocal-rsqrt"], report(metrics("w.work", divisions_per_output=3.0)), t)
+    assert app.applies, app.reason
+    assert run_transform(LIB["reciprocal-rsqrt"], t, app) == ["k.py"]
+    assert (t / "k.py").read_text().split("\n\n", 1)[1] == (
+        "y = a * T.rsqrt(v)\nh = h * T.exp(-g)\nr = T.rsqrt(v + eps)\nn = a / np.sqrt(v)\n")
+
+
 def test_tile_fusion_declines_on_roofline_evidence_and_says_what_it_measured(tmp_path):
     t = tree(tmp_path, {"d.py": V_TILED})
     pb = LIB["fuse-v-tiles"]
@@ -454,3 +467,14 @@ def test_the_dot_check_and_transform_follow_the_module_s_names_for_triton_langua
     namespace: dict = {}
     exec(compile(src.split("@triton.jit")[0], "k.py", "exec"), namespace)
     assert namespace["FP32_DOT_PRECISION"].value in ("tf32x3", "ieee")
+
+
+def test_code_patterns_read_the_language_under_any_name(tmp_path):
+    # the same kernels written with `import triton.language as T` match the patterns written for `tl.`
+    spelled = {"d.py": V_TILED.replace("tl.", "T.")}
+    for pid, rep in (("fuse-v-tiles", report(metrics("d.decode.bench", bandwidth_vs_copy=0.22))),
+                     ("reciprocal-rsqrt", report(metrics("d.bench", bandwidth_vs_copy=0.3))),
+                     ("tf32x3-fp32-dot-chains", report(finding("s.static", "tl.dot without input_precision")))):
+        files = spelled if pid != "tf32x3-fp32-dot-chains" else {"k.py": "acc = T.dot(a, b)\n"}
+        app = evaluate(LIB[pid], rep, tree(tmp_path / pid, files))
+        assert app.applies and app.code_matches, (pid, app.reason)
