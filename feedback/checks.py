@@ -3,7 +3,9 @@
 Each reads Python source under ``params.paths`` (files or folders of the tree, default the whole
 tree) with the ``ast`` module, imports nothing of the target and runs no code of it, and reports
 a count as a metric (``better: lower``) with one finding per site, bound to its file, line and the
-kernel or function around it:
+kernel or function around it.  Names are read through the file's imports (:func:`import_aliases`):
+``T.dot`` after ``import triton.language as T`` is ``tl.dot``, ``Loader`` after ``from ctypes import
+PyDLL as Loader`` is ``ctypes.PyDLL``.
 
 * ``dot_precision``: ``tl.dot`` calls inside ``@triton.jit`` kernels with an fp32 operand (as the
   kernel's text shows it: an fp32 accumulator from ``tl.zeros(..., dtype=tl.float32)``, a ``.to(tl.float32)``,
