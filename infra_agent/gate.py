@@ -212,7 +212,8 @@ def ast_findings(path: str, source: str, lines: set[int], tree: ast.Module | Non
     return out
 
 
-KERNEL_WRITES = re.compile(r"\btl\.(store|atomic_\w+|debug_barrier)\b")
+# a kernel body's writes, however the file names the language (tl.store, T.atomic_add, a bare imported store)
+KERNEL_WRITES = re.compile(r"(?<![\w])(?:[A-Za-z_][\w.]*\.)?(store|atomic_\w+|debug_barrier)\s*\(")
 
 
 def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> list[RiskFinding]:

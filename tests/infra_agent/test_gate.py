@@ -255,6 +255,8 @@ def _judge_edit(tmp_path, old: str, new: str):
     # inside a kernel every code line is numerics, its stores concurrency too; the same edit outside is not
     ("z = tl.load(x + o) + tl.load(y + o)", "z = tl.load(x + o) - tl.load(y + o)", "ast.kernel-body", "numerics"),
     ("tl.store(out + o, z)", "tl.store(out + o, z, mask=o < N - 1)", "ast.kernel-writes", "concurrency"),
+    ("tl.store(out + o, z)", "tl.atomic_add(out + o, z)", "ast.kernel-writes", "concurrency"),
+    ("tl.store(out + o, z)", "language.store(out + o, z)", "ast.kernel-writes", "concurrency"),
     # a kernel's launch: its arguments' order, its grid and compile-time constants, a kernel defined here,
     # imported, or reached through an imported module
     ("_add[(1,)](a, b, out, n)", "_add[(1,)](b, a, out, n)", "ast.kernel-launch", "numerics"),
