@@ -59,11 +59,18 @@ def dotted_name(node: ast.AST) -> str:
     return ""
 
 
-def _is_kernel(fn: ast.AST) -> bool:
-    """A function decorated ``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)`` over it, ...)."""
+def _is_kernel(fn: ast.AST, aliases: dict[str, str] | None = None) -> bool:
+    """A function decorated ``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)`` over it, ...).  Through
+    the module's imports (``aliases``): a ``jit`` of another DSL (``cute.jit`` after ``import cutlass.cute
+    as cute``, ``numba.jit``, ``torch.jit.script``) is not Triton's; a bare ``jit`` whose origin the file
+    does not say (a relative import, a re-export) is taken for Triton's."""
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
-    return any(dotted_name(d).split(".")[-1] in ("jit", "autotune", "heuristics") for d in fn.decorator_list)
+    for d in fn.decorator_list:
+        full = triton_name(d, aliases or {})
+        if full.split(".")[-1] in ("jit", "autotune", "heuristics") and (full.startswith("triton.") or "." not in full):
+            return True
+    return False
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
@@ -80,11 +87,31 @@ _ELEMENTWISE = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "abs",
 def triton_name(node: ast.AST, aliases: dict[str, str]) -> str:
     """The dotted name of ``node`` through the module's import aliases, with Triton's language as ``tl``:
     ``T.dot`` after ``import triton.language as T``, or ``dot`` after ``from triton.language import dot``,
-    is ``tl.dot``."""
+    is ``tl.dot``.  A project that re-exports Triton (``from vllm.triton_utils import tl, triton``) is
+    read through: what follows its ``triton`` is Triton's, and ``tl`` stands for the language, as
+    everywhere."""
     name = dotted_name(node)
     root, _, rest = name.partition(".")
-    full = ".".join(filter(None, (aliases.get(root, root), rest)))
+    origin = aliases.get(root, root)
+    parts = ".".join(filter(None, (origin, rest))).split(".")
+    if "triton" in parts[:-1]:  # vllm.triton_utils.triton.jit: triton.jit
+        parts = parts[parts.index("triton"):]
+    if root == "tl" or origin.rsplit(".", 1)[-1] == "tl":  # the language's conventional name, re-exported or not
+        parts = ["tl", *rest.split(".")] if rest else ["tl"]
+    full = ".".join(parts)
     return "tl." + full.removeprefix("triton.language.") if full.startswith("triton.language.") else full
+
+
+def language_name(aliases: dict[str, str]) -> str | None:
+    """What a module with these imports calls ``triton.language`` (``tl``, ``T``, ``triton.language``), or
+    None where it names it nothing."""
+    for name, origin in sorted(aliases.items()):
+        if origin == "triton.language" or origin.endswith((".tl", ".triton.language")) or name == "tl":
+            return name
+    for name, origin in sorted(aliases.items()):
+        if origin == "triton" or origin.endswith(".triton"):
+            return f"{name}.language"
+    return None
 
 
 def _fp32_expr(node: ast.AST, fp32: set[str], aliases: dict[str, str]) -> bool:
@@ -152,8 +179,9 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False,
 
 
 def kernels(tree: ast.AST) -> Iterator[ast.FunctionDef]:
-    """The ``@triton.jit`` (or autotuned, heuristics-wrapped) functions of a module."""
-    return filter(_is_kernel, _functions(tree))
+    """The ``@triton.jit`` (or autotuned, heuristics-wrapped) functions of a module (:func:`_is_kernel`)."""
+    aliases = import_aliases(tree)
+    return (fn for fn in _functions(tree) if _is_kernel(fn, aliases))
 
 
 def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
@@ -206,7 +234,7 @@ def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
 
 
 def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
-    for fn in filter(_is_kernel, _functions(tree)):
+    for fn in kernels(tree):
         for loop in ast.walk(fn):
             if not isinstance(loop, (ast.For, ast.While)):
                 continue

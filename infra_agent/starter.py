@@ -56,16 +56,9 @@ def _parse(path: pathlib.Path) -> ast.Module | None:
 
 
 def _kernel_names(tree: ast.Module) -> list[str]:
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for d in node.decorator_list:
-                target = d.func if isinstance(d, ast.Call) else d
-                name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
-                if name in ("jit", "autotune", "heuristics"):
-                    out.append(node.name)
-                    break
-    return out
+    from feedback.checks import kernels
+
+    return [fn.name for fn in kernels(tree)]
 
 
 def _imports(tree: ast.Module) -> set[str]:

@@ -25,15 +25,13 @@ def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str
     """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` where
     tf32 tensor cores exist: NVIDIA, compute capability 8.0 or newer; ``fallback`` elsewhere), and the
     number of characters inserted before the first line that follows the imports."""
-    from feedback.checks import import_aliases
+    from feedback.checks import import_aliases, language_name
 
     imports = [n for n in mod.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     has_torch = any(isinstance(n, ast.Import) and any(a.name == "torch" and not a.asname for a in n.names)
                     for n in imports)
     # the module's own name for triton.language (tl, T, triton.language), or one imported here
-    aliases = import_aliases(ast.Module(body=imports, type_ignores=[]))
-    lang = next((k for k, v in sorted(aliases.items()) if v == "triton.language"), None) or next(
-        (f"{k}.language" for k, v in sorted(aliases.items()) if v == "triton"), None)
+    lang = language_name(import_aliases(ast.Module(body=imports, type_ignores=[])))
     after = max((n.end_lineno for n in imports), default=0)
     lines = src.splitlines(keepends=True)
     block = ("" if has_torch else "import torch\n") + ("" if lang else "import triton.language as tl\n") + (
@@ -211,13 +209,13 @@ def _tl_call(node: ast.expr, name: str, aliases: dict[str, str], src: str) -> tu
     """``node`` as a one-argument call of ``triton.language.<name>`` however the module spells it, with the
     prefix that names the language there (``tl.``, ``T.``, ``triton.language.``); None otherwise, or where the
     function was imported bare and the module has no name for the language to write another with."""
-    from feedback.checks import triton_name
+    from feedback.checks import language_name, triton_name
 
     if not (isinstance(node, ast.Call) and len(node.args) == 1 and triton_name(node.func, aliases) == f"tl.{name}"):
         return None
     if isinstance(node.func, ast.Attribute):
         return node, ast.get_source_segment(src, node.func.value) + "."
-    lang = next((k for k, v in sorted(aliases.items()) if v == "triton.language"), None)
+    lang = language_name(aliases)
     return (node, f"{lang}.") if lang else None
 
 

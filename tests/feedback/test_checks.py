@@ -329,3 +329,38 @@ def test_gil_native_follows_the_file_s_import_aliases():
     assert [lines[s.line - 1].split(" = ")[0].strip() for s in sites[:-1]] == list("abcdeh")
     assert sites[-1].symbol == "run" and sites[-1].message.startswith("ctypes.pydll.LoadLibrary")
     assert all("hold the GIL" in s.message for s in sites) and len(sites) == 7
+
+
+def test_kernels_are_triton_s_however_imported_and_another_dsl_s_jit_is_not(tmp_path):
+    # vLLM re-exports Triton (`from vllm.triton_utils import tl, triton`); CuTe, numba and TorchScript have a
+    # `jit` of their own, whose loops and products are not a Triton kernel's
+    body = "def {n}(a, b):\n    acc = tl.zeros([16, 16], dtype=tl.float32)\n    for i in range(4):\n" \
+           "        acc += tl.dot(acc, b) / 2.0\n    return acc\n"
+    files = {
+        "reexport.py": "from vllm.triton_utils import tl, triton\n\n\n@triton.jit\n" + body.format(n="k1"),
+        "bare.py": "import triton.language as tl\nfrom .jit_utils import jit\n\n\n@jit\n" + body.format(n="k2"),
+        "cute.py": "import cutlass.cute as cute\nimport triton.language as tl\n\n\n@cute.jit\n" + body.format(n="h1"),
+        "numba.py": "import numba\nimport triton.language as tl\n\n\n@numba.jit\n" + body.format(n="h2"),
+        "script.py": "import torch\nimport triton.language as tl\n\n\n@torch.jit.script\n" + body.format(n="h3"),
+    }
+    for rel, src in files.items():
+        (tmp_path / rel).write_text(src)
+    for check in ("dot_precision", "kernel_loop_division"):
+        _, n, sites = run_check(check, tmp_path)
+        found = [(s.file, s.symbol) for s in sites]
+        assert sorted({s.symbol for s in sites}) == ["k1", "k2"] and n == 2, (check, found)
+
+
+def test_the_language_s_name_in_a_module():
+    import ast
+
+    from feedback.checks import import_aliases, language_name
+
+    def name(src: str):
+        return language_name(import_aliases(ast.parse(src)))
+
+    assert name("import triton.language as tl\n") == "tl"
+    assert name("import triton\nimport triton.language as T\n") == "T"
+    assert name("from vllm.triton_utils import tl, triton\n") == "tl"
+    assert name("import triton\n") == "triton.language"
+    assert name("from triton.language import dot\n") is None
