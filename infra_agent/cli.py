@@ -445,6 +445,25 @@ def _state(target: str | None):
     return StateDir.for_target(target) if target else StateDir.of()
 
 
+def _here(target: str | None) -> str | None:
+    """``--target``, else, where the current directory holds no state of the bundled target, the repository it
+    lies in if that has state of its own (a session run there with ``--target .``), said on stderr; else
+    None (the bundled target's state, here)."""
+    import pathlib
+
+    from feedback.state import StateDir
+
+    if target is not None or StateDir.of().root.exists():
+        return target
+    cwd = pathlib.Path.cwd().resolve()
+    top = next((d for d in (cwd, *cwd.parents) if (d / ".git").exists()), None)
+    if top is None or not StateDir.for_target(top).root.exists():
+        return None
+    err_console.print(f"target {top} (the repository here; --target to choose another)", style="dim",
+                      highlight=False)
+    return str(top)
+
+
 def _queue(target: str | None):
     from infra_agent.review import ReviewQueue
 
@@ -518,6 +537,7 @@ def review_main(ctx: typer.Context, target: str = typer.Option(None, "--target")
     ctx.obj = {"target": target, "reviewer": reviewer}
     if ctx.invoked_subcommand is not None:
         return
+    target = _here(target)
     from rich.prompt import Prompt
 
     q = _queue(target)
@@ -570,7 +590,7 @@ def _group(ctx: typer.Context, name: str, value):
 def review_list(ctx: typer.Context, target: str = typer.Option(None, "--target"),
                 state: str = typer.Option(None, "--state"), as_json: bool = typer.Option(False, "--json")) -> None:
     """List review items."""
-    target = _group(ctx, "target", target)
+    target = _here(_group(ctx, "target", target))
     items = _queue(target).list(state=state)
     if as_json:
         print("[" + ",".join(i.model_dump_json() for i in items) + "]")
@@ -591,7 +611,7 @@ def review_show(ctx: typer.Context, item_id: int = typer.Argument(..., metavar="
     """Show one item: hypothesis, gate findings, the diff, the evidence."""
     from infra_agent.review import UnknownItem
 
-    target = _group(ctx, "target", target)
+    target = _here(_group(ctx, "target", target))
     try:
         item = _queue(target).get(item_id)
     except UnknownItem as exc:
@@ -624,6 +644,7 @@ def report(
             fail(f"--experiments {experiments}: no such folder")
         text, default = records_report(folder), folder / "report.html"
     else:
+        target = _here(target)
         sessions = list_sessions(pathlib.Path(target) if target else None)
         chosen = [s for s in sessions if s["session"] == session] if session else sessions[-1:]
         if not chosen:
@@ -643,7 +664,7 @@ def review_approve(ctx: typer.Context, item_id: int = typer.Argument(..., metava
                    target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
                    as_json: bool = typer.Option(False, "--json"), jobs: int = typer.Option(2, "--jobs", "-j")) -> None:
     """Approve: merge into the session branch, re-run the validation probes, mark applied."""
-    target, reviewer = _group(ctx, "target", target), _group(ctx, "reviewer", reviewer)
+    target, reviewer = _here(_group(ctx, "target", target)), _group(ctx, "reviewer", reviewer)
     _settle(target, item_id, "approved", reviewer, comment=comment, as_json=as_json, jobs=jobs)
 
 
@@ -653,7 +674,7 @@ def review_reject(ctx: typer.Context, item_id: int = typer.Argument(..., metavar
                   target: str = typer.Option(None, "--target"), reviewer: str = typer.Option(None, "--reviewer"),
                   as_json: bool = typer.Option(False, "--json")) -> None:
     """Reject with a reason."""
-    target, reviewer = _group(ctx, "target", target), _group(ctx, "reviewer", reviewer)
+    target, reviewer = _here(_group(ctx, "target", target)), _group(ctx, "reviewer", reviewer)
     _settle(target, item_id, "rejected", reviewer, reason=reason, as_json=as_json)
 
 
@@ -908,6 +929,7 @@ def sessions_list(target: str = typer.Option(None, "--target"), as_json: bool = 
 
     from infra_agent.workspace import list_sessions
 
+    target = _here(target)
     sessions = list_sessions(pathlib.Path(target) if target else None)
     if as_json:
         print(json.dumps(sessions, indent=2, default=str))
@@ -929,6 +951,7 @@ def sessions_show(session: str = typer.Argument(...), target: str = typer.Option
     from infra_agent.session import render_summary
     from infra_agent.workspace import list_sessions
 
+    target = _here(target)
     found = [s for s in list_sessions(pathlib.Path(target) if target else None) if s["session"] == session]
     if not found:
         fail(f"no session {session!r}")
@@ -945,6 +968,7 @@ def sessions_clean(target: str = typer.Option(None, "--target"),
 
     from infra_agent.workspace import list_sessions, remove_session
 
+    target = _here(target)
     sessions = list_sessions(pathlib.Path(target) if target else None)
     for s in sessions:
         remove_session(s, keep_branches=keep_branches)

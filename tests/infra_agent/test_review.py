@@ -62,6 +62,28 @@ def test_the_interactive_queue_shows_its_choices_and_records_a_rejection(tmp_pat
     assert "no pending items" in out.stdout
 
 
+def test_inside_a_repository_the_queue_is_that_repository_s_without_target(tmp_path):
+    """`infra-agent run --target .` keeps a repository's state outside it; `review list` typed inside the
+    repository (any folder of it) shows that queue and says whose it is. A folder that holds the bundled
+    target's state keeps its own."""
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    git.Repo.init(repo)
+    _item(ReviewQueue(StateDir.for_target(repo).review_db), hypothesis="state the dot's precision")
+
+    def listed(cwd):
+        out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "list", "--json"], cwd=cwd,
+                             capture_output=True, text=True, timeout=120, env=env_without_keys())
+        assert out.returncode == 0, out.stderr
+        return [i["hypothesis"] for i in json.loads(out.stdout)], out.stderr
+
+    items, note = listed(repo / "pkg")
+    assert items == ["state the dot's precision"] and f"target {repo.resolve()}" in note
+    (repo / "pkg" / ".infra-agent").mkdir()  # the bundled target's state here: its queue, empty
+    assert listed(repo / "pkg") == ([], "")
+    assert listed(tmp_path)[0] == []  # outside any repository
+
+
 RACE = textwrap.dedent("""
     import sys, time
     from infra_agent.review import ReviewQueue, AlreadySettled
