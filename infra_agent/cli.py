@@ -446,14 +446,14 @@ def _state(target: str | None):
 
 
 def _here(target: str | None) -> str | None:
-    """``--target``, else, where the current directory holds no state of the bundled target, the repository it
-    lies in if that has state of its own (a session run there with ``--target .``), said on stderr; else
+    """``--target``, else, where the current directory holds no session of the bundled target, the repository
+    it lies in if that has state of its own (a session run there with ``--target .``), said on stderr; else
     None (the bundled target's state, here)."""
     import pathlib
 
     from feedback.state import StateDir
 
-    if target is not None or StateDir.of().root.exists():
+    if target is not None or any(StateDir.of().workspaces.glob("*/session.json")):
         return target
     cwd = pathlib.Path.cwd().resolve()
     top = next((d for d in (cwd, *cwd.parents) if (d / ".git").exists()), None)
@@ -468,6 +468,19 @@ def _queue(target: str | None):
     from infra_agent.review import ReviewQueue
 
     return ReviewQueue(_state(target).review_db)
+
+
+def _findings_by_line(findings: list[dict]) -> list[str]:
+    """The gate's findings one line of code each, in file and line order: ``file:line categories (rules):
+    text``.  A changed line inside a kernel that calls ``tl.dot`` with a precision matches five rules; the
+    reviewer reads the line once."""
+    lines: dict[tuple[str, int], tuple[list[str], list[str], str]] = {}
+    for f in findings:
+        cats, rules, _ = lines.setdefault((f["file"], f["line"]), ([], [], f["text"].strip()[:100]))
+        cats += [f["category"]] if f["category"] not in cats else []
+        rules += [f["rule"]] if f["rule"] not in rules else []
+    return [f"{file}:{no} {'/'.join(cats)} ({', '.join(rules)}): {text}"
+            for (file, no), (cats, rules, text) in sorted(lines.items())]
 
 
 def _render_item(item, full: bool = True) -> None:
@@ -489,9 +502,8 @@ def _render_item(item, full: bool = True) -> None:
         console.print(f"note: {item.note}", highlight=False)
     if not full:
         return
-    for f in item.findings:
-        console.print(f"  gate {f['category']}: {f['rule']} at {f['file']}:{f['line']}: {f['text'].strip()[:100]}",
-                      highlight=False, soft_wrap=True)
+    for line in _findings_by_line(item.findings):
+        console.print(f"  gate {line}", highlight=False, soft_wrap=True)
     console.print(Syntax(item.diff, "diff", theme="ansi_dark", word_wrap=True))
     ci = lambda c: f" [{c[0]:.3g}, {c[1]:.3g}]" if c else ""  # noqa: E731
     rows = [(e["probe"], e["metric"], "-" if e["before"] is None else f"{e['before']:.3g}{ci(e['before_ci'])}",

@@ -64,8 +64,8 @@ def test_the_interactive_queue_shows_its_choices_and_records_a_rejection(tmp_pat
 
 def test_inside_a_repository_the_queue_is_that_repository_s_without_target(tmp_path):
     """`infra-agent run --target .` keeps a repository's state outside it; `review list` typed inside the
-    repository (any folder of it) shows that queue and says whose it is. A folder that holds the bundled
-    target's state keeps its own."""
+    repository (any folder of it) shows that queue and says whose it is. A folder that holds a session of
+    the bundled target keeps its own."""
     repo = tmp_path / "repo"
     (repo / "pkg").mkdir(parents=True)
     git.Repo.init(repo)
@@ -79,9 +79,26 @@ def test_inside_a_repository_the_queue_is_that_repository_s_without_target(tmp_p
 
     items, note = listed(repo / "pkg")
     assert items == ["state the dot's precision"] and f"target {repo.resolve()}" in note
-    (repo / "pkg" / ".infra-agent").mkdir()  # the bundled target's state here: its queue, empty
+    (repo / "pkg" / ".infra-agent").mkdir()  # a state folder with no session (an earlier `review list` made it)
+    assert listed(repo / "pkg")[0] == ["state the dot's precision"]
+    session = repo / "pkg" / ".infra-agent" / "workspaces" / "s1"
+    session.mkdir(parents=True)
+    (session / "session.json").write_text("{}")  # a session of the bundled target here: its queue, empty
     assert listed(repo / "pkg") == ([], "")
     assert listed(tmp_path)[0] == []  # outside any repository
+
+
+def test_a_held_item_s_findings_read_one_line_of_code_each():
+    from infra_agent.cli import _findings_by_line
+
+    def f(cat, rule, line, file="k.py"):
+        return {"category": cat, "rule": rule, "file": file, "line": line, "text": f"  code {line}  "}
+
+    lines = _findings_by_line([f("numerics", "ast.kernel-body", 9), f("numerics", "ast.call:tl.dot", 9),
+                               f("concurrency", "ast.kernel-writes", 9), f("numerics", "ast.kernel-body", 9),
+                               f("production", "ast.default-changed", 2), f("numerics", "r", 1, file="a.py")])
+    assert lines == ["a.py:1 numerics (r): code 1", "k.py:2 production (ast.default-changed): code 2",
+                     "k.py:9 numerics/concurrency (ast.kernel-body, ast.call:tl.dot, ast.kernel-writes): code 9"]
 
 
 RACE = textwrap.dedent("""
