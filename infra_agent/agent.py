@@ -288,7 +288,7 @@ class Agent:
                 experiment=str(self.experiments_dir / f"{new_id(self.ws.session, record.step)}.yaml"))
             lines.append(f"decision: held for human review ({', '.join(assessment.categories)}); "
                          f"review item {record.review_id}, candidate branch {record.branch}")
-            lines += [f"  gate: {r}" for r in record.risk[:8]]
+            lines += [f"  gate: {r}" for r in gate.by_line(assessment.findings)[:8]]
         else:
             record.decision = "accepted"
             record.commit = self.ws.accept(cand, f"{hypothesis}\n\nplaybook: {playbook or '-'}")

@@ -470,19 +470,6 @@ def _queue(target: str | None):
     return ReviewQueue(_state(target).review_db)
 
 
-def _findings_by_line(findings: list[dict]) -> list[str]:
-    """The gate's findings one line of code each, in file and line order: ``file:line categories (rules):
-    text``.  A changed line inside a kernel that calls ``tl.dot`` with a precision matches five rules; the
-    reviewer reads the line once."""
-    lines: dict[tuple[str, int], tuple[list[str], list[str], str]] = {}
-    for f in findings:
-        cats, rules, _ = lines.setdefault((f["file"], f["line"]), ([], [], f["text"].strip()[:100]))
-        cats += [f["category"]] if f["category"] not in cats else []
-        rules += [f["rule"]] if f["rule"] not in rules else []
-    return [f"{file}:{no} {'/'.join(cats)} ({', '.join(rules)}): {text}"
-            for (file, no), (cats, rules, text) in sorted(lines.items())]
-
-
 def _render_item(item, full: bool = True) -> None:
     from rich.syntax import Syntax
     from rich.table import Table
@@ -502,7 +489,9 @@ def _render_item(item, full: bool = True) -> None:
         console.print(f"note: {item.note}", highlight=False)
     if not full:
         return
-    for line in _findings_by_line(item.findings):
+    from infra_agent.gate import by_line
+
+    for line in by_line(item.findings):
         console.print(f"  gate {line}", highlight=False, soft_wrap=True)
     console.print(Syntax(item.diff, "diff", theme="ansi_dark", word_wrap=True))
     ci = lambda c: f" [{c[0]:.3g}, {c[1]:.3g}]" if c else ""  # noqa: E731

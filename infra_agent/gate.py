@@ -168,6 +168,20 @@ class RiskFinding(BaseModel):
         return f"{self.category}: {self.rule} at {self.file}:{self.line}: {self.text.strip()[:100]}"
 
 
+def by_line(findings: list[RiskFinding] | list[dict]) -> list[str]:
+    """Findings one line of code each, in file and line order: ``file:line categories (rules): text``.  A
+    changed line inside a kernel that calls ``tl.dot`` with a precision matches five rules; a reviewer (or
+    the model) reads the line once."""
+    lines: dict[tuple[str, int], tuple[list[str], list[str], str]] = {}
+    for f in findings:
+        f = f.model_dump() if isinstance(f, RiskFinding) else f
+        cats, rules, _ = lines.setdefault((f["file"], f["line"]), ([], [], f["text"].strip()[:100]))
+        cats += [f["category"]] if f["category"] not in cats else []
+        rules += [f["rule"]] if f["rule"] not in rules else []
+    return [f"{file}:{no} {'/'.join(cats)} ({', '.join(rules)}): {text}"
+            for (file, no), (cats, rules, text) in sorted(lines.items())]
+
+
 class Assessment(BaseModel):
     schema_version: int = 1
     findings: list[RiskFinding] = Field(default_factory=list)

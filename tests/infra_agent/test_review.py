@@ -89,12 +89,12 @@ def test_inside_a_repository_the_queue_is_that_repository_s_without_target(tmp_p
 
 
 def test_a_held_item_s_findings_read_one_line_of_code_each():
-    from infra_agent.cli import _findings_by_line
+    from infra_agent.gate import by_line
 
     def f(cat, rule, line, file="k.py"):
         return {"category": cat, "rule": rule, "file": file, "line": line, "text": f"  code {line}  "}
 
-    lines = _findings_by_line([f("numerics", "ast.kernel-body", 9), f("numerics", "ast.call:tl.dot", 9),
+    lines = by_line([f("numerics", "ast.kernel-body", 9), f("numerics", "ast.call:tl.dot", 9),
                                f("concurrency", "ast.kernel-writes", 9), f("numerics", "ast.kernel-body", 9),
                                f("production", "ast.default-changed", 2), f("numerics", "r", 1, file="a.py")])
     assert lines == ["a.py:1 numerics (r): code 1", "k.py:2 production (ast.default-changed): code 2",
