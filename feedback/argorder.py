@@ -46,12 +46,13 @@ class Misplaced:
     line: int
     caller: str | None
     callee: Signature
-    moves: tuple[tuple[str, int, int], ...]
+    moves: tuple[tuple[str, int, int], ...]  # by the names as compared (:func:`_bare`)
+    written: tuple[str, ...] = ()  # the moved arguments as the call writes them, in the order of ``moves``
 
     def describe(self) -> str:
-        p = self.callee.params
+        p, written = self.callee.params, self.written or tuple(arg for arg, _, _ in self.moves)
         return ", ".join(f"`{arg}` as parameter {at + 1} ({p[at]}; `{arg}` is parameter {own + 1})"
-                         for arg, at, own in self.moves)
+                         for arg, (_, at, own) in zip(written, self.moves, strict=True))
 
 
 def _last(node: ast.AST) -> str:
@@ -65,7 +66,13 @@ def _last(node: ast.AST) -> str:
 
 
 def _bare(name: str) -> str:
-    return name.lstrip("_")
+    """A name as the check compares it: without leading underscores, case or a pointer suffix, so that a
+    launch's ``q`` is the kernel's ``Q`` or ``q_ptr`` (Triton's conventions for a tensor's pointer)."""
+    bare = name.lstrip("_").lower()
+    for suffix in ("_pointer", "_ptr"):
+        if bare.endswith(suffix) and len(bare) > len(suffix):
+            return bare[: -len(suffix)]
+    return bare
 
 
 def _function_params(fn: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> tuple[str, ...] | None:
@@ -198,7 +205,7 @@ def _moves(args: list[ast.expr], sig: Signature) -> tuple[tuple[str, int, int], 
     (``(k, q)`` for ``(q, k)``; a cycle of three): ``(A_in, A)`` for ``(A, A2)`` is a coincidence of names
     (``A`` is not displaced by another parameter's namesake), ``(x, x)`` for ``(x, y)`` passes one value twice."""
     params = [_bare(p) for p in sig.params]
-    place = {p: i for i, p in enumerate(params)}
+    place = {p: i for i, p in enumerate(params) if params.count(p) == 1}  # two alike (x and X_ptr): neither
     to: dict[int, tuple[str, int]] = {}
     for at, arg in enumerate(args[:len(params)]):
         if isinstance(arg, ast.Starred):
@@ -270,7 +277,8 @@ def misplaced(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Misplaced
             judged = [(s, _moves(node.args, s)) for s in candidates]
             if all(moves for _, moves in judged):
                 sig, moves = judged[0]
-                yield Misplaced(rel, node.lineno, caller, sig, moves), sig, rel, node.lineno
+                written = tuple(_last(node.args[at]) for _, at, _ in moves)
+                yield Misplaced(rel, node.lineno, caller, sig, moves, written), sig, rel, node.lineno
             else:
                 sig = next(s for s, moves in judged if not moves)
                 yield None, sig, rel, node.lineno

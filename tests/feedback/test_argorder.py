@@ -268,3 +268,32 @@ def test_an_initvar_is_a_parameter_in_its_place_and_a_classvar_is_not(tmp_path):
     sites = _sites(root)
     assert [(s.file, s.symbol) for s in sites] == [("pkg/rec.py", "make_wrong")]
     assert "declares (a, scale, b)" in sites[0].message
+
+
+def test_a_tensor_is_its_kernel_parameter_s_namesake_in_triton_s_spellings(tmp_path):
+    # a kernel declares Q and K_ptr, its launches pass q and k (lightllm's `_add_in_place[grid](input, other,
+    # ...)` against `(input_ptr, other_ptr, ...)`): the swap is found and named as the call writes it;
+    # parameters that fold to one name (x and X_ptr) say nothing
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/k.py": """
+        import triton
+
+
+        @triton.jit
+        def attend(Q, K_ptr, Out, n):
+            pass
+
+
+        @triton.jit
+        def mix(x, X_ptr, n):
+            pass
+
+
+        def launch(q, k, out, n, x):
+            attend[(1,)](q, k, out, n)
+            attend[(2,)](q, k, out, n)
+            attend[(3,)](k, q, out, n)
+            mix[(1,)](x, x, n)
+        """})
+    sites = _sites(root)
+    assert len(sites) == 1 and sites[0].symbol == "launch", [s.message for s in sites]
+    assert "passes `k` as parameter 1 (Q; `k` is parameter 2), `q` as parameter 2 (K_ptr;" in sites[0].message
