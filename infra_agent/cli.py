@@ -386,9 +386,12 @@ def gate_cmd(
         print(result.model_dump_json(indent=2))
     else:
         style = {"clean": "green", "held": "yellow"}.get(result.decision, "red")
-        console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if result.held else ""))
-        for f in result.findings:
-            console.print(f"  {f.render()}", highlight=False, soft_wrap=True)
+        from infra_agent.gate import by_line
+
+        held = result.decision == "held"
+        console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if held else ""))
+        for line in by_line(result.findings):
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
         if result.refused or result.error:
             console.print(f"  {result.refused or result.error}", highlight=False, soft_wrap=True)
     raise typer.Exit({"clean": 0, "held": 1}.get(result.decision, 2))
