@@ -17,6 +17,10 @@ PyDLL as Loader`` is ``ctypes.PyDLL``.
 * ``gil_native``: native libraries loaded so that their calls hold the GIL for their whole
   duration (``ctypes.PyDLL``, ``ctypes.pydll``, ``ctypes.pythonapi``): every other Python thread of
   the process (a KV-transfer thread, a scheduler) stops while they run.  Metric ``gil_holding_loads``.
+* ``tf32_switch``: a statement that puts every later fp32 matmul of the process on tf32 tensor cores
+  (``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_float32_matmul_precision("high")``,
+  ``fp32_precision = "tf32"``): a torch-level state merge or reference then loses the precision a kernel's
+  ``input_precision`` would have kept.  Metric ``tf32_switches``.
 * ``kernel_loop_division``: a division (``/``, ``tl.fdiv``, ``tl.div_rn``) inside a loop of a
   ``@triton.jit`` kernel: a reciprocal hoisted out of the loop, or an ``rsqrt`` multiply, does the
   same work with a cheaper instruction per element.  Metric ``loop_divisions``.
@@ -233,6 +237,46 @@ def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
     yield from sorted(sites, key=lambda s: s.line)
 
 
+#: switches that put every later fp32 matmul of the process on tf32 tensor cores: name -> the values that do not
+TF32_SWITCHES = {"torch.backends.cuda.matmul.allow_tf32": (False,),
+                 "torch.backends.cuda.matmul.fp32_precision": ("ieee", "none"),
+                 "torch.backends.fp32_precision": ("ieee", "none"),
+                 "torch.set_float32_matmul_precision": ("highest",)}
+
+
+def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
+    """Statements that turn tf32 on for the process's fp32 matmuls (``TF32_SWITCHES``): an assignment to the
+    flag, or the call, with a value other than the ones that keep fp32 (a value the source does not state
+    counts: it may be tf32).  Read through the file's imports (``from torch.backends.cuda import matmul``)."""
+    aliases = import_aliases(tree)
+    enclosing = {}
+    for fn in _functions(tree):
+        for node in ast.walk(fn):
+            enclosing.setdefault(id(node), fn.name)
+
+    def switched(target: ast.AST, value: ast.AST | None) -> str | None:
+        name = triton_name(target, aliases)
+        if name not in TF32_SWITCHES:
+            return None
+        if isinstance(value, ast.Constant) and (value.value in TF32_SWITCHES[name] or (
+                isinstance(value.value, str) and value.value.lower() in TF32_SWITCHES[name])):
+            return None
+        return name
+
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found = [(n, f"{n} = {ast.unparse(node.value)[:40]}") for t in targets
+                     if (n := switched(t, node.value)) is not None]
+        elif isinstance(node, ast.Call) and node.args and (n := switched(node.func, node.args[0])) is not None:
+            found = [(n, f"{n}({ast.unparse(node.args[0])[:40]})")]
+        for _, text in found:
+            yield Site(rel, node.lineno, enclosing.get(id(node)),
+                       f"{text}: every later fp32 matmul of the process runs on tf32 tensor cores (about 1e-3 "
+                       "relative error per product, which a chain of them, a state merge, accumulates)")
+
+
 def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
     for fn in kernels(tree):
         for loop in ast.walk(fn):
@@ -257,6 +301,7 @@ CHECKS: dict[str, tuple[str, Callable[..., Iterator[Site]]]] = {
     "gil_native": ("gil_holding_loads", gil_native),
     "kernel_loop_division": ("loop_divisions", kernel_loop_division),
     "argument_order": ("misplaced_arguments", argument_order),
+    "tf32_switch": ("tf32_switches", tf32_switch),
 }
 #: the checks that read every file together: [(tree, relative path), ...] -> sites
 WHOLE_TREE = {"argument_order"}

@@ -5,7 +5,8 @@ kernels (``@triton.jit``), the pytest files and the benchmark scripts, reading s
 :func:`starter_manifest` turns that into probes that need no Python written against the harness:
 
 * the built-in static checks over the kernel files (``dot_precision``, ``kernel_loop_division``)
-  and over the packages (``gil_native``);
+  and over the packages (``gil_native``, ``argument_order``, ``tf32_switch``); the counts a repository
+  already has are held as thresholds (loop divisions, misplaced arguments, tf32 switches: nothing new);
 * one ``pytest`` probe per test file that imports a module with kernels (the kernels' own tests,
   covering those modules), up to ``max_tests``; other test files are listed, commented out;
 * benchmark scripts listed as comments: a ``command`` probe needs one JSON object on its last line;
@@ -152,7 +153,7 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         probes.append({"id": "static.kernel_loop_division", "kind": "static", "check": "kernel_loop_division",
                        "description": "no division inside a kernel's loop", "params": {"paths": kernel_dirs},
                        "covers": covers, "budget_s": 60,
-                       "thresholds": {"loop_divisions": {"max": _count_divisions(inv)}}})
+                       "thresholds": {"loop_divisions": {"max": _count(inv, "kernel_loop_division", kernel_dirs)}}})
     if inv.packages:
         probes.append({"id": "static.gil_native", "kind": "static", "check": "gil_native",
                        "description": "no native library loaded so that its calls hold the GIL",
@@ -160,7 +161,11 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         probes.append({"id": "static.argument_order", "kind": "static", "check": "argument_order",
                        "description": "no call passes its arguments in another order than its callee declares",
                        "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 120,
-                       "thresholds": {"misplaced_arguments": {"max": _count_misplaced(inv)}}})
+                       "thresholds": {"misplaced_arguments": {"max": _count(inv, "argument_order", inv.packages)}}})
+        probes.append({"id": "static.tf32_switch", "kind": "static", "check": "tf32_switch",
+                       "description": "no new statement puts the process's fp32 matmuls on tf32",
+                       "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60,
+                       "thresholds": {"tf32_switches": {"max": _count(inv, "tf32_switch", inv.packages)}}})
     # the most focused tests first (fewest kernel files each), one per set of kernel files
     chosen, seen = [], set()
     for t in sorted(inv.kernel_tests, key=lambda t: (len(inv.kernel_tests[t]), t)):
@@ -201,15 +206,9 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
     return "\n".join(notes) + "\n" + text
 
 
-def _count_misplaced(inv: Inventory) -> int:
-    """Today's count of calls in another order than their callees (held, like the divisions)."""
+def _count(inv: Inventory, check: str, paths: list[str]) -> int:
+    """Today's count of a built-in check: the starter holds the line (nothing new), it does not demand a
+    rewrite of what the repository already does."""
     from feedback.checks import run_check
 
-    return run_check("argument_order", inv.root, inv.packages)[1]
-
-
-def _count_divisions(inv: Inventory) -> int:
-    """Today's count: the starter holds the line (no new division), it does not demand a rewrite."""
-    from feedback.checks import run_check
-
-    return run_check("kernel_loop_division", inv.root, _dirs(inv.kernel_files))[1]
+    return run_check(check, inv.root, paths)[1]

@@ -114,7 +114,7 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     assert run_check("dot_precision", ext, ["pkg"], every=True)[1] == 2  # every dot without a precision
     with pytest.raises(ValueError, match="leaves the tree"):
         run_check("dot_precision", ext, ["../elsewhere"])
-    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division", "argument_order"}
+    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division", "argument_order", "tf32_switch"}
 
 
 def test_checks_and_pytest_probes_through_the_runner(ext):
@@ -364,3 +364,31 @@ def test_the_language_s_name_in_a_module():
     assert name("from vllm.triton_utils import tl, triton\n") == "tl"
     assert name("import triton\n") == "triton.language"
     assert name("from triton.language import dot\n") is None
+
+
+def test_tf32_switch_finds_each_statement_that_puts_fp32_matmuls_on_tf32(tmp_path):
+    # a torch-level state merge after one of these loses what a kernel's input_precision keeps; the values that
+    # keep fp32 are not counted, a value the source does not state is
+    (tmp_path / "m.py").write_text(textwrap.dedent("""\
+        import torch
+        import torch.backends.cuda as cb
+        from torch.backends.cuda import matmul
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = False
+        matmul.allow_tf32 = args.tf32
+        cb.matmul.fp32_precision = "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = True  # convolutions: not a matmul
+
+
+        def serve(precision):
+            torch.set_float32_matmul_precision(precision)
+        """))
+    metric, n, sites = run_check("tf32_switch", tmp_path)
+    assert metric == "tf32_switches" and n == 5
+    assert [(s.line, s.symbol) for s in sites] == [(5, None), (7, None), (8, None), (10, None), (16, "serve")]
+    assert "torch.backends.cuda.matmul.allow_tf32 = args.tf32" in sites[1].message
+    assert all("tf32 tensor cores" in s.message for s in sites)

@@ -47,7 +47,8 @@ TEST_BROAD = "import mylib\n\n\ndef test_import():\n    assert mylib\n"
 def _repo(root: pathlib.Path) -> pathlib.Path:
     files = {"src/mylib/__init__.py": "", "src/mylib/ops/__init__.py": "", "src/mylib/ops/scale.py": KERNEL,
              "src/mylib/ops/naive.py": NAIVE, "tests/test_scale.py": TEST_KERNEL, "tests/test_pkg.py": TEST_BROAD,
-             "benchmarks/bench_scale.py": "print('{}')\n", "pyproject.toml": "[project]\nname = 'mylib'\n"}
+             "benchmarks/bench_scale.py": "print('{}')\n", "pyproject.toml": "[project]\nname = 'mylib'\n",
+             "src/mylib/serve.py": "import torch\n\n\ndef start():\n    torch.set_float32_matmul_precision('high')\n"}
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -97,6 +98,8 @@ def test_init_writes_a_manifest_that_checks_and_runs(tmp_path):
     assert results["static.kernel_loop_division"]["status"] == "pass"
     assert results["static.argument_order"]["metrics"]["misplaced_arguments"]["value"] == 2  # call and definition
     assert results["static.argument_order"]["status"] == "pass"
+    assert results["static.tf32_switch"]["metrics"]["tf32_switches"]["value"] == 1  # today's, held as the bound
+    assert results["static.tf32_switch"]["status"] == "pass"
 
 
 def test_manifest_check_names_what_the_manifest_points_at_that_is_missing(tmp_path):
