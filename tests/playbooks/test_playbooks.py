@@ -478,3 +478,14 @@ def test_code_patterns_read_the_language_under_any_name(tmp_path):
         files = spelled if pid != "tf32x3-fp32-dot-chains" else {"k.py": "acc = T.dot(a, b)\n"}
         app = evaluate(LIB[pid], rep, tree(tmp_path / pid, files))
         assert app.applies and app.code_matches, (pid, app.reason)
+
+
+def test_the_gil_playbook_reads_a_pybind11_binding_that_keeps_the_gil(tmp_path):
+    # a C++ extension's bound function keeps the GIL unless a call guard (or a scoped release) gives it up
+    evidence = report(metrics("e.events", heartbeat_max_gap_ms=20.0))
+    held = 'PYBIND11_MODULE(ext, m) {\n  m.def("transfer", &transfer, "copy the pages");\n}\n'
+    released = held.replace('"copy the pages"', "py::call_guard<py::gil_scoped_release>()")
+    app = evaluate(LIB["release-gil-native-calls"], evidence, tree(tmp_path / "held", {"csrc/ext.cpp": held}))
+    assert app.applies and [m.file for m in app.code_matches] == ["csrc/ext.cpp"], app.reason
+    assert not evaluate(LIB["release-gil-native-calls"], evidence,
+                        tree(tmp_path / "released", {"csrc/ext.cpp": released})).applies
