@@ -71,7 +71,7 @@ def _is_kernel(fn: ast.AST, aliases: dict[str, str] | None = None) -> bool:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     for d in fn.decorator_list:
-        full = triton_name(d, aliases or {})
+        full = resolved_name(d, aliases or {})
         if full.split(".")[-1] in ("jit", "autotune", "heuristics") and (full.startswith("triton.") or "." not in full):
             return True
     return False
@@ -83,13 +83,14 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
             yield node
 
 
-_FP32 = ("tl.float32", "tl.fp32")  # as triton_name spells them
+_FP32 = ("tl.float32", "tl.fp32")  # as resolved_name spells them
 _ELEMENTWISE = {"exp", "exp2", "log", "log2", "sqrt", "rsqrt", "sigmoid", "abs", "maximum", "minimum", "where",
                 "sum", "cumsum", "max", "min", "trans", "reshape", "broadcast_to", "expand_dims", "permute", "view"}
 
 
-def triton_name(node: ast.AST, aliases: dict[str, str]) -> str:
-    """The dotted name of ``node`` through the module's import aliases, with Triton's language as ``tl``:
+def resolved_name(node: ast.AST, aliases: dict[str, str]) -> str:
+    """The dotted name of ``node`` through the module's import aliases (:func:`import_aliases`): ``Loader``
+    after ``from ctypes import PyDLL as Loader`` is ``ctypes.PyDLL``.  Triton's language reads as ``tl``:
     ``T.dot`` after ``import triton.language as T``, or ``dot`` after ``from triton.language import dot``,
     is ``tl.dot``.  A project that re-exports Triton (``from vllm.triton_utils import tl, triton``) is
     read through: what follows its ``triton`` is Triton's, and ``tl`` stands for the language, as
@@ -126,17 +127,17 @@ def _fp32_expr(node: ast.AST, fp32: set[str], aliases: dict[str, str]) -> bool:
     if isinstance(node, ast.Name):
         return node.id in fp32
     if isinstance(node, ast.Call):
-        fn = triton_name(node.func, aliases)
+        fn = resolved_name(node.func, aliases)
         last = fn.split(".")[-1]
         if last == "to" and node.args:  # x.to(tl.float32): fp32; x.to(anything else): not
-            return triton_name(node.args[0], aliases) in _FP32
+            return resolved_name(node.args[0], aliases) in _FP32
         if last in ("zeros", "full", "zeros_like", "full_like") and fn.startswith("tl."):
             dtype = next((k.value for k in node.keywords if k.arg == "dtype"), node.args[-1] if len(node.args) > 1
                          else None)
-            return dtype is not None and triton_name(dtype, aliases) in _FP32
+            return dtype is not None and resolved_name(dtype, aliases) in _FP32
         if fn == "tl.dot":  # accumulates in fp32 unless told otherwise
             out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
-            return out is None or triton_name(out, aliases) in _FP32
+            return out is None or resolved_name(out, aliases) in _FP32
         if last in _ELEMENTWISE:
             operand = node.func.value if isinstance(node.func, ast.Attribute) and not fn.startswith("tl.") else None
             return any(map(is32, [*node.args, *([operand] if operand is not None else [])]))
@@ -165,7 +166,7 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False,
     for node in ast.walk(fn):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
             events.append(((node.end_lineno, node.end_col_offset, 1), node))
-        elif isinstance(node, ast.Call) and triton_name(node.func, aliases) == "tl.dot":
+        elif isinstance(node, ast.Call) and resolved_name(node.func, aliases) == "tl.dot":
             events.append(((node.lineno, node.col_offset, 0), node))
     fp32: set[str] = set()
     for _, node in sorted(events, key=lambda e: e[0]):
@@ -224,9 +225,7 @@ def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.Name, ast.Attribute)) or id(node) in inner:
             continue
-        name = dotted_name(node)
-        root, _, rest = name.partition(".")
-        full = ".".join(filter(None, (imported.get(root, root), rest)))  # through the file's import aliases
+        name, full = dotted_name(node), resolved_name(node, imported)  # the latter through the file's imports
         hit = next((g for g in GIL_HOLDING if full == g or full.startswith(g + ".")), None)
         if hit is None and full.rsplit(".", 1)[-1] == "PyDLL":
             hit = "PyDLL"  # a PyDLL reached through another module (a re-export, a vendored ctypes)
@@ -255,7 +254,7 @@ def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
             enclosing.setdefault(id(node), fn.name)
 
     def switched(target: ast.AST, value: ast.AST | None) -> str | None:
-        name = triton_name(target, aliases)
+        name = resolved_name(target, aliases)
         if name not in TF32_SWITCHES:
             return None
         if isinstance(value, ast.Constant) and (value.value in TF32_SWITCHES[name] or (

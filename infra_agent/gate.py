@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from feedback.checks import import_aliases, parse, triton_name
+from feedback.checks import import_aliases, parse, resolved_name
 from feedback.manifest import Manifest, path_matches
 from infra_agent import tamper
 from infra_agent.patch import Patch, PatchError, PatchRefused
@@ -214,7 +214,7 @@ def ast_findings(path: str, source: str, lines: set[int], tree: ast.Module | Non
         span = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
         if not span & lines:
             continue
-        name = triton_name(node.func, aliases)
+        name = resolved_name(node.func, aliases)
         for prefix, cat in AST_CALLS.items():
             if name == prefix or name.startswith(prefix + "."):
                 out.append(RiskFinding(rule=f"ast.call:{prefix}", category=cat, file=path, line=node.lineno,

@@ -97,7 +97,7 @@ def pydll_to_cdll(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str,
     to ``ctypes.PyDLL`` or ``ctypes.pydll`` in the matched files, however the file imported it (``import
     ctypes as C``, ``from ctypes import PyDLL as Loader``, ``from ctypes import pydll``), is turned into its
     releasing twin.  ``ctypes.pythonapi`` is the interpreter's own C API, which must hold the GIL: left alone."""
-    from feedback.checks import dotted_name, import_aliases
+    from feedback.checks import import_aliases, resolved_name
 
     changed = []
     for rel in _files(matches):
@@ -120,8 +120,7 @@ def pydll_to_cdll(tree: pathlib.Path, matches: list[CodeMatch], knobs: dict[str,
                 edits.append((pos(node.lineno, node.col_offset), pos(node.end_lineno, node.end_col_offset),
                               ast.unparse(ast.ImportFrom(module="ctypes", names=names, level=0))))
             elif isinstance(node, ast.Attribute) and node.attr in _RELEASING:
-                root, _, rest = dotted_name(node.value).partition(".")
-                if ".".join(filter(None, (aliases.get(root, root), rest))) == "ctypes":
+                if resolved_name(node.value, aliases) == "ctypes":  # ctypes however the file imported it
                     end = pos(node.end_lineno, node.end_col_offset)
                     edits.append((end - len(node.attr), end, _RELEASING[node.attr]))
             elif (isinstance(node, ast.Name) and node.id in _RELEASING
@@ -209,9 +208,9 @@ def _tl_call(node: ast.expr, name: str, aliases: dict[str, str], src: str) -> tu
     """``node`` as a one-argument call of ``triton.language.<name>`` however the module spells it, with the
     prefix that names the language there (``tl.``, ``T.``, ``triton.language.``); None otherwise, or where the
     function was imported bare and the module has no name for the language to write another with."""
-    from feedback.checks import language_name, triton_name
+    from feedback.checks import language_name, resolved_name
 
-    if not (isinstance(node, ast.Call) and len(node.args) == 1 and triton_name(node.func, aliases) == f"tl.{name}"):
+    if not (isinstance(node, ast.Call) and len(node.args) == 1 and resolved_name(node.func, aliases) == f"tl.{name}"):
         return None
     if isinstance(node.func, ast.Attribute):
         return node, ast.get_source_segment(src, node.func.value) + "."
