@@ -35,7 +35,7 @@ _REFERENCE = re.compile(r"(^|_)(ref|reference|naive|torch_ref)(_|\.py$)")
 @dataclass
 class Inventory:
     root: pathlib.Path
-    import_root: str = "."  # "." or "src"
+    import_root: str = "."  # ".", "src", or the folder the packaging names (SGLang's "python")
     packages: list[str] = field(default_factory=list)  # top-level package folders, relative to root
     kernel_files: list[str] = field(default_factory=list)
     kernels: dict[str, list[str]] = field(default_factory=dict)  # file -> kernel names
@@ -83,6 +83,60 @@ def _module(rel: str, import_root: str) -> str:
     return ".".join(parts)
 
 
+def _package_dirs(folder: pathlib.Path, namespace: bool = False) -> list[pathlib.Path]:
+    """The Python packages ``folder`` holds directly: folders with an ``__init__.py`` or, with ``namespace``
+    (a folder the packaging names as the packages' root), any folder with a Python file in it (PEP 420)."""
+    try:
+        dirs = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")
+                and d.name not in ("tests", "test") and d.name not in _SKIP]
+    except OSError:
+        return []
+    return sorted(d for d in dirs if (d / "__init__.py").is_file() or (namespace and any(d.glob("*.py"))))
+
+
+def _packages_in(folder: pathlib.Path, namespace: bool = False) -> int:
+    return len(_package_dirs(folder, namespace))
+
+
+def _declared_root(root: pathlib.Path) -> str | None:
+    """The folder the packaging metadata names as the packages' root (``package-dir = {"" = "python"}`` or
+    ``packages.find.where`` in pyproject.toml, ``package_dir={"": "python"}`` in setup.py), if any."""
+    try:
+        import tomllib
+
+        tool = tomllib.loads((root / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+        named = [(tool.get("package-dir") or {}).get(""), *((tool.get("packages") or {}).get("find", {})
+                                                           .get("where", []) if isinstance(tool.get("packages"), dict)
+                                                           else [])]
+    except (OSError, ValueError, ImportError, AttributeError):
+        named = []
+    try:
+        setup = (root / "setup.py").read_text(errors="replace")
+        named += re.findall(r"package_dir\s*=\s*\{\s*[\"']{2}\s*:\s*[\"']([^\"']+)[\"']", setup)
+    except OSError:
+        pass
+    for folder in named:
+        if isinstance(folder, str) and folder.strip("./") and _packages_in(root / folder, namespace=True):
+            return folder.strip("/").removeprefix("./")
+    return None
+
+
+def _import_root(root: pathlib.Path) -> str:
+    """Where the repository's packages are imported from: what its packaging declares, else ``src`` (the src
+    layout), else the root itself, else the one folder that holds the most packages (SGLang keeps its
+    package in ``python/``)."""
+    if declared := _declared_root(root):
+        return declared
+    if (root / "src").is_dir() and _packages_in(root / "src"):
+        return "src"
+    if _packages_in(root):
+        return "."
+    folders = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
+               and d.name not in _SKIP and not (d / "__init__.py").is_file()]
+    counts = sorted(((_packages_in(d), d.name) for d in folders), key=lambda c: (-c[0], c[1]))
+    return counts[0][1] if counts and counts[0][0] else "."
+
+
 def _is_test(rel: str) -> bool:
     p = pathlib.PurePosixPath(rel)
     return p.name.startswith("test_") or p.stem.endswith("_test")
@@ -92,13 +146,9 @@ def inspect(root: str | pathlib.Path) -> Inventory:
     """What the repository at ``root`` holds that probes can use (source only; nothing is imported)."""
     root = pathlib.Path(root).resolve()
     inv = Inventory(root=root)
-    src = root / "src"
-    inv.import_root = "src" if src.is_dir() and any((d / "__init__.py").is_file() for d in src.iterdir()
-                                                     if d.is_dir()) else "."
-    base = root / inv.import_root
-    inv.packages = sorted(d.relative_to(root).as_posix() for d in base.iterdir()
-                          if d.is_dir() and (d / "__init__.py").is_file() and d.name not in ("tests", "test")
-                          and not d.name.startswith("."))
+    inv.import_root = _import_root(root)
+    declared = inv.import_root == _declared_root(root)  # the packaging says so: namespace packages count
+    inv.packages = [d.relative_to(root).as_posix() for d in _package_dirs(root / inv.import_root, declared)]
     trees: dict[str, ast.Module] = {}
     for path in _files(root):
         rel = path.relative_to(root).as_posix()

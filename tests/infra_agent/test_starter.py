@@ -137,3 +137,25 @@ def test_a_manifest_outside_the_tree_judges_it_and_nothing_is_written_in_it(tmp_
     assert git.Repo(root).git.status("--porcelain", "--ignored") == " M src/mylib/ops/naive.py"  # nothing of ours
     missing = _cli("feedback", "--target", str(root), "--manifest", str(tmp_path / "nope.yaml"), cwd=tmp_path)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_inspect_finds_packages_where_the_packaging_puts_them(tmp_path):
+    # SGLang's layout: the package under python/, declared in pyproject.toml, a namespace package (no
+    # __init__.py); and the same folder undeclared, where the one folder holding packages is taken
+    declared = tmp_path / "declared"
+    files = {"pyproject.toml": "[project]\nname = 'eng'\n[tool.setuptools.packages.find]\nwhere = ['python']\n",
+             "python/eng/ops/scale.py": KERNEL, "python/eng/serve.py": "x = 1\n", "tests/test_scale.py":
+             "from eng.ops.scale import scale\n\n\ndef test_scale():\n    assert scale(2.0, 2.0) == 2.0\n",
+             "benchmark/run.py": "print('{}')\n"}
+    for rel, text in files.items():
+        (declared / rel).parent.mkdir(parents=True, exist_ok=True)
+        (declared / rel).write_text(text)
+    inv = inspect(declared)
+    assert inv.import_root == "python" and inv.packages == ["python/eng"]
+    assert inv.kernels == {"python/eng/ops/scale.py": ["scale_kernel"]}
+    assert inv.kernel_tests == {"tests/test_scale.py": ["python/eng/ops/scale.py"]}
+    undeclared = tmp_path / "undeclared"
+    for rel in ("python/eng/__init__.py", "python/eng/core.py", "docs/conf.py"):
+        (undeclared / rel).parent.mkdir(parents=True, exist_ok=True)
+        (undeclared / rel).write_text("x = 1\n")
+    assert (inspect(undeclared).import_root, inspect(undeclared).packages) == ("python", ["python/eng"])
