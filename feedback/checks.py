@@ -63,7 +63,7 @@ def dotted_name(node: ast.AST) -> str:
     return ""
 
 
-def _is_kernel(fn: ast.AST, aliases: dict[str, str] | None = None) -> bool:
+def _is_kernel(fn: ast.AST, aliases: dict[str, str]) -> bool:
     """A function decorated ``@triton.jit`` (or ``@jit``, ``@triton.autotune(...)`` over it, ...).  Through
     the module's imports (``aliases``): a ``jit`` of another DSL (``cute.jit`` after ``import cutlass.cute
     as cute``, ``numba.jit``, ``torch.jit.script``) is not Triton's; a bare ``jit`` whose origin the file
@@ -71,7 +71,7 @@ def _is_kernel(fn: ast.AST, aliases: dict[str, str] | None = None) -> bool:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     for d in fn.decorator_list:
-        full = resolved_name(d, aliases or {})
+        full = resolved_name(d, aliases)
         if full.split(".")[-1] in ("jit", "autotune", "heuristics") and (full.startswith("triton.") or "." not in full):
             return True
     return False
@@ -81,6 +81,15 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node
+
+
+def _enclosing(tree: ast.AST) -> dict[int, str]:
+    """The name of the outermost function around each node (by ``id``), for a site's symbol."""
+    out: dict[int, str] = {}
+    for fn in _functions(tree):
+        for node in ast.walk(fn):
+            out.setdefault(id(node), fn.name)
+    return out
 
 
 _FP32 = ("tl.float32", "tl.fp32")  # as resolved_name spells them
@@ -183,16 +192,17 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False,
                 (fp32.add if is32 else fp32.discard)(t.id)
 
 
-def kernels(tree: ast.AST) -> Iterator[ast.FunctionDef]:
-    """The ``@triton.jit`` (or autotuned, heuristics-wrapped) functions of a module (:func:`_is_kernel`)."""
-    aliases = import_aliases(tree)
+def kernels(tree: ast.AST, aliases: dict[str, str] | None = None) -> Iterator[ast.FunctionDef]:
+    """The ``@triton.jit`` (or autotuned, heuristics-wrapped) functions of a module (:func:`_is_kernel`);
+    ``aliases``: its :func:`import_aliases`, where the caller has them already."""
+    aliases = import_aliases(tree) if aliases is None else aliases
     return (fn for fn in _functions(tree) if _is_kernel(fn, aliases))
 
 
 def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site]:
     """fp32 ``tl.dot`` calls without an explicit ``input_precision`` (:func:`implicit_dots`)."""
     aliases = import_aliases(tree)
-    for fn in kernels(tree):
+    for fn in kernels(tree, aliases):
         for node in implicit_dots(fn, every, aliases):
             yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
                        "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
@@ -215,10 +225,7 @@ GIL_HOLDING = ("ctypes.PyDLL", "ctypes.pydll", "ctypes.pythonapi")
 
 
 def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
-    enclosing = {}
-    for fn in _functions(tree):
-        for node in ast.walk(fn):
-            enclosing.setdefault(id(node), fn.name)
+    enclosing = _enclosing(tree)
     imported = import_aliases(tree)
     inner: set[int] = set()  # a chain's inner names, already reported with the chain they start
     sites = []
@@ -247,11 +254,7 @@ def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
     """Statements that turn tf32 on for the process's fp32 matmuls (``TF32_SWITCHES``): an assignment to the
     flag, or the call, with a value other than the ones that keep fp32 (a value the source does not state
     counts: it may be tf32).  Read through the file's imports (``from torch.backends.cuda import matmul``)."""
-    aliases = import_aliases(tree)
-    enclosing = {}
-    for fn in _functions(tree):
-        for node in ast.walk(fn):
-            enclosing.setdefault(id(node), fn.name)
+    aliases, enclosing = import_aliases(tree), _enclosing(tree)
 
     def switched(target: ast.AST, value: ast.AST | None) -> str | None:
         name = resolved_name(target, aliases)

@@ -454,12 +454,12 @@ def _here(target: str | None) -> str | None:
     None (the bundled target's state, here)."""
     import pathlib
 
+    from feedback.changes import repo_root
     from feedback.state import StateDir
 
     if target is not None or any(StateDir.of().workspaces.glob("*/session.json")):
         return target
-    cwd = pathlib.Path.cwd().resolve()
-    top = next((d for d in (cwd, *cwd.parents) if (d / ".git").exists()), None)
+    top = repo_root(pathlib.Path.cwd())
     if top is None or not StateDir.for_target(top).root.exists():
         return None
     err_console.print(f"target {top} (the repository here; --target to choose another)", style="dim",

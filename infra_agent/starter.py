@@ -94,10 +94,6 @@ def _package_dirs(folder: pathlib.Path, namespace: bool = False) -> list[pathlib
     return sorted(d for d in dirs if (d / "__init__.py").is_file() or (namespace and any(d.glob("*.py"))))
 
 
-def _packages_in(folder: pathlib.Path, namespace: bool = False) -> int:
-    return len(_package_dirs(folder, namespace))
-
-
 def _declared_root(root: pathlib.Path) -> str | None:
     """The folder the packaging metadata names as the packages' root (``package-dir = {"" = "python"}`` or
     ``packages.find.where`` in pyproject.toml, ``package_dir={"": "python"}`` in setup.py), if any."""
@@ -116,25 +112,25 @@ def _declared_root(root: pathlib.Path) -> str | None:
     except OSError:
         pass
     for folder in named:
-        if isinstance(folder, str) and folder.strip("./") and _packages_in(root / folder, namespace=True):
+        if isinstance(folder, str) and folder.strip("./") and _package_dirs(root / folder, namespace=True):
             return folder.strip("/").removeprefix("./")
     return None
 
 
-def _import_root(root: pathlib.Path) -> str:
-    """Where the repository's packages are imported from: what its packaging declares, else ``src`` (the src
-    layout), else the root itself, else the one folder that holds the most packages (SGLang keeps its
-    package in ``python/``)."""
+def _import_root(root: pathlib.Path) -> tuple[str, bool]:
+    """Where the repository's packages are imported from, and whether its packaging says so (where namespace
+    packages count too): what the packaging declares, else ``src`` (the src layout), else the root itself,
+    else the one folder that holds the most packages (SGLang keeps its package in ``python/``)."""
     if declared := _declared_root(root):
-        return declared
-    if (root / "src").is_dir() and _packages_in(root / "src"):
-        return "src"
-    if _packages_in(root):
-        return "."
+        return declared, True
+    if _package_dirs(root / "src"):
+        return "src", False
+    if _package_dirs(root):
+        return ".", False
     folders = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
                and d.name not in _SKIP and not (d / "__init__.py").is_file()]
-    counts = sorted(((_packages_in(d), d.name) for d in folders), key=lambda c: (-c[0], c[1]))
-    return counts[0][1] if counts and counts[0][0] else "."
+    counts = sorted(((len(_package_dirs(d)), d.name) for d in folders), key=lambda c: (-c[0], c[1]))
+    return (counts[0][1] if counts and counts[0][0] else "."), False
 
 
 def _is_test(rel: str) -> bool:
@@ -146,8 +142,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
     """What the repository at ``root`` holds that probes can use (source only; nothing is imported)."""
     root = pathlib.Path(root).resolve()
     inv = Inventory(root=root)
-    inv.import_root = _import_root(root)
-    declared = inv.import_root == _declared_root(root)  # the packaging says so: namespace packages count
+    inv.import_root, declared = _import_root(root)
     inv.packages = [d.relative_to(root).as_posix() for d in _package_dirs(root / inv.import_root, declared)]
     trees: dict[str, ast.Module] = {}
     for path in _files(root):

@@ -63,10 +63,11 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
         mod = parse(src, rel)
         pos, aliases = _position(src), import_aliases(mod)
         matched = {m.line for m in matches if m.file == rel}
-        chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in kernels(mod)
+        found = list(kernels(mod, aliases))
+        chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in found
                                                           for d in implicit_dots(fn, aliases=aliases)]
         if not chosen:
-            chosen = [(fn, d) for fn in kernels(mod) for d in implicit_dots(fn, every=True, aliases=aliases)
+            chosen = [(fn, d) for fn in found for d in implicit_dots(fn, every=True, aliases=aliases)
                       if d.lineno in matched]
         edits: list[tuple[int, str]] = []
         constant = False
