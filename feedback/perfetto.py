@@ -23,9 +23,11 @@ _REQUIRED = {"X": ("name", "ts", "dur", "pid", "tid"), "i": ("name", "ts", "pid"
 
 
 def trace_events(events: list[dict], name: str = "infra-agent") -> dict:
-    """The trace-event JSON object of ``events`` (timestamps in microseconds from the first event)."""
+    """The trace-event JSON object of ``events`` (timestamps in microseconds from the earliest moment they
+    name: the first event, or a GIL tick its sampler took before any event was written)."""
     events = sorted((e for e in events if "t" in e and "event" in e), key=lambda e: e["t"])
-    t0 = events[0]["t"] if events else 0.0
+    ticks = [t for e in events if e["event"] == "gil.ticks" for t in (e.get("ticks") or [])]
+    t0 = min([events[0]["t"], *ticks]) if events else 0.0
     us = lambda t: round((t - t0) * 1e6, 3)  # noqa: E731
     tids: dict[tuple[int, str], int] = {}
 

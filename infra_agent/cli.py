@@ -463,7 +463,7 @@ def _here(target: str | None) -> str | None:
     if top is None or not StateDir.for_target(top).root.exists():
         return None
     err_console.print(f"target {top} (the repository here; --target to choose another)", style="dim",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)  # a path broken across lines cannot be pasted back
     return str(top)
 
 

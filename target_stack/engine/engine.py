@@ -163,10 +163,20 @@ class LLMEngine:
 
     def generate(self, prompts: list[Iterable[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  images: list[object] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of ``prompts``."""
+        """Run prompts to completion; outputs in the order of ``prompts``.  All or nothing: when one
+        prompt is refused, those of the call already queued are cancelled and dropped before the error
+        is raised (a later call must not run them, nobody collects them)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ilist = images or [None] * len(prompts)
-        ids = [self.add_request(p, sp, img) for p, sp, img in zip(prompts, plist, ilist, strict=True)]
+        ids: list[int] = []
+        try:
+            for p, sp, img in zip(prompts, plist, ilist, strict=True):
+                ids.append(self.add_request(p, sp, img))
+        except BaseException:
+            for i in ids:
+                self.cancel(i)
+                del self.seqs[i]
+            raise
         results: dict[int, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

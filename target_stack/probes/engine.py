@@ -216,10 +216,126 @@ def _check_stop_tokens(ctx: ProbeContext, model: HybridModel, prompts: list[list
                   f"{want_len}", **where)
 
 
+CACHE = "target_stack/engine/cache.py"
+
+
+def _check_pool_threads(ctx: ProbeContext) -> None:
+    """The page pool (``FreeList``) is thread-safe, as the decode worker needs (its receiver thread reserves pages
+    while its main thread schedules): threads taking and returning pages of one near-full pool see nothing but
+    the pool's own ``OutOfMemory``, never get a page another holds, and afterwards every page is home: free +
+    held = total, no page twice, and a take of all of them hands out 1..n-1, lowest first.  Thread switches are
+    forced as often as the interpreter allows so that a check-then-act outside the lock loses its race."""
+    import random
+    import sys
+    import threading
+    import time
+
+    from target_stack.engine.cache import FreeList, OutOfMemory
+
+    c = {"pages": 16, "resident": 12, "threads": 6, "max_take": 3, "seconds": 1.0, **ctx.params.get("pool_threads", {})}
+    n, resident = int(c["pages"]), int(c["resident"])
+    pool = FreeList(n, "KV pages")
+    where = dict(file=CACHE, condition=f"{c['threads']} threads taking 1-{c['max_take']} and returning pages of one "
+                 f"pool of {n - 1} with {resident} held elsewhere (near full)")
+    kept = pool.take(resident, 10**6)  # the pool is near full: every take races for the last few pages
+    claimed: dict[int, int] = {}  # page -> the thread that holds it, by this probe's own account
+    claim_lock = threading.Lock()
+    errors: list[tuple[str, str]] = []
+    stop = threading.Event()
+    counts = {"takes": 0, "refused": 0}
+    seed = random.randrange(2**31)
+
+    def worker(k: int) -> None:
+        rng, held = random.Random(seed + k), []
+        while not stop.is_set():
+            want = rng.randint(1, c["max_take"])
+            try:
+                ids = pool.take(want, k)
+            except OutOfMemory:
+                counts["refused"] += 1
+                ids = None
+            except Exception as exc:  # noqa: BLE001 - the contract: OutOfMemory or pages
+                errors.append(("FreeList.take", f"{type(exc).__name__}: {exc}"))
+                break
+            if ids is not None:
+                counts["takes"] += 1
+                with claim_lock:
+                    dup = {i: claimed[i] for i in ids if i in claimed}
+                    bad = len(ids) != want or len(set(ids)) != want or dup or not all(0 < i < n for i in ids)
+                    claimed.update((i, k) for i in ids)
+                if bad:
+                    errors.append(("FreeList.take", f"take({want}) handed out {sorted(ids)}"
+                                   + (f", of which {sorted(dup)} another thread held" if dup else "")))
+                    break
+                held += ids
+            if held and (rng.random() < 0.6 or ids is None):
+                back = rng.sample(held, rng.randint(1, len(held)))
+                with claim_lock:
+                    for i in back:
+                        claimed.pop(i, None)
+                held = [i for i in held if i not in back]
+                try:
+                    pool.give(back, k)
+                except Exception as exc:  # noqa: BLE001 - the contract: a holder's give always works
+                    errors.append(("FreeList.give", f"{type(exc).__name__}: {exc}"))
+                    break
+        with claim_lock:
+            for i in held:
+                claimed.pop(i, None)
+        try:
+            pool.give(held, k)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(("FreeList.give", f"{type(exc).__name__}: {exc}"))
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(k,), name=f"pool-{k}", daemon=True)
+                   for k in range(int(c["threads"]))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + float(c["seconds"])
+        while time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        stop.set()
+        for t in threads:
+            t.join(5.0)
+    finally:
+        sys.setswitchinterval(before)
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        ctx.fail(f"threads using the page pool did not finish: {stuck} (a lock never released?)",
+                 symbol="FreeList", **where)
+        return
+    for symbol, msg in errors[:1]:
+        ctx.fail(f"{symbol} under concurrent use: {msg}; the pool's only refusal is OutOfMemory "
+                 f"({len(errors)} such error(s) in {counts['takes']} takes)", symbol=symbol, **where)
+    free, used = pool.free, pool.used
+    ctx.check(free + used == n - 1 and used == resident, f"after every thread returned its pages, {free} free + "
+              f"{used} held (want {n - 1 - resident} + {resident}): {n - 1 - free - used:+d} page(s) unaccounted for",
+              symbol="FreeList", **where)
+    pool.give(kept, 10**6)
+    try:
+        everything = pool.take(n - 1, 0)
+    except OutOfMemory as exc:
+        ctx.fail(f"after the threads, the whole pool cannot be taken again: {exc}", symbol="FreeList.take", **where)
+        return
+    ctx.check(everything == list(range(1, n)), f"after the threads, taking the whole pool handed out "
+              f"{everything[:12]}{'...' if len(everything) > 12 else ''} instead of 1..{n - 1}, lowest first (a page "
+              "lost or listed twice)", symbol="FreeList", **where)
+    try:
+        extra = pool.take(1, 0)
+        ctx.fail(f"an empty pool handed out page {extra}", symbol="FreeList.take", **where)
+    except OutOfMemory:
+        pass
+
+
 @probe(kind="correctness")
 def pool_accounting(ctx: ProbeContext) -> None:
     """A run with preemption (too few pages), a cancellation and a refused request hands every
-    page and state slot back, and preempted requests resume with the same outputs."""
+    page and state slot back, and preempted requests resume with the same outputs; the page pool
+    keeps its accounting under threads (``_check_pool_threads``)."""
+    _check_pool_threads(ctx)
     gen = fresh_generator()
     model = HybridModel("tiny")
     p = ctx.params
@@ -401,14 +517,97 @@ def _same_outputs(ctx: ProbeContext, engine: LLMEngine, other: LLMEngine, prompt
                   f"{what}")
 
 
+_SAMPLED_CHILD = """
+import time
+from target_stack.events import emit
+emit("exit_check.start")
+time.sleep(0.15)  # the sampler writes a few batches of ticks
+emit("exit_check.main_end")
+"""
+
+
+def _check_sampled_process_exits(ctx: ProbeContext) -> None:
+    """A process that writes events with the GIL sampler on (as every disaggregated worker does) ends when its
+    main code ends: whatever the event machinery starts must not keep the interpreter alive (a worker or a probe
+    that hangs at shutdown).  Run in a short child (this tree's ``target_stack``): it must exit within
+    ``exit_grace_s`` of its last statement, cleanly, with its sampler's ticks written."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import target_stack.events as events_mod
+
+    p = ctx.params
+    grace, start_s = float(p.get("exit_grace_s", 3.0)), float(p.get("exit_start_s", 30.0))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(events_mod.__file__)))
+    where = dict(file=EVENTS, symbol="emit / _start_sampler",
+                 condition=f"a child process writing events with {SAMPLE_VAR} set, after its main code ends")
+    fd, path = tempfile.mkstemp(suffix=".jsonl")
+    os.close(fd)
+    env = {**os.environ, "INFRA_AGENT_EVENTS": path, SAMPLE_VAR: str(p.get("gil_sample_s", 5e-4)),
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+    def read() -> list[dict]:
+        out = []
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+    proc = subprocess.Popen([sys.executable, "-c", _SAMPLED_CHILD], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0, ended = time.monotonic(), None
+        while proc.poll() is None:
+            now = time.monotonic()
+            if ended is None and any(e.get("event") == "exit_check.main_end" for e in read()):
+                ended = now
+            if (ended is not None and now - ended > grace) or (ended is None and now - t0 > start_s):
+                break
+            time.sleep(0.02)
+        hung = proc.poll() is None
+        if hung:
+            proc.kill()
+        _, err = proc.communicate(timeout=30)
+        evs = read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.unlink(path)
+    main_end = any(e.get("event") == "exit_check.main_end" for e in evs)
+    if hung:
+        ctx.fail(f"a process writing events with {SAMPLE_VAR} set did not exit: still alive "
+                 + (f"{grace:g} s after its main code ended (a thread the event machinery started keeps the "
+                    "interpreter alive: not a daemon?)" if main_end else f"{start_s:g} s after it started, its main "
+                    "code unfinished (an emit that blocks?)"), **where)
+        return
+    tail = (err or "").strip().splitlines()[-3:]
+    ctx.check(proc.returncode == 0 and "Exception in thread" not in (err or ""),
+              f"a process writing events with {SAMPLE_VAR} set ended with status {proc.returncode}: "
+              f"{' | '.join(tail)[:300]}", **where)
+    ticks = [e for e in evs if e.get("event") == "gil.ticks"]
+    ctx.check(main_end and bool(ticks), f"the event stream of a sampled process lacks "
+              f"{'its own events' if not main_end else 'the GIL sampler ticks'} ({len(evs)} events)", **where)
+    faults = sampler_faults(evs)
+    ctx.check(not faults, f"the GIL sampler's ticks are not each written once, in order: {faults[0] if faults else ''}",
+              **where)
+
+
 @probe(kind="events")
 def kv_transfer_events(ctx: ProbeContext) -> None:
     """The disaggregated prefill worker's events: how long each Layer Split stage waited between
     submission and completion, against how long the native MoE dispatch calls ran.  A transfer
-    thread starved by a call that holds the GIL waits as long as the call."""
+    thread starved by a call that holds the GIL waits as long as the call.  First, a process with the
+    sampler on must exit when its main code ends (``_check_sampled_process_exits``)."""
     from target_stack.bench.serve import Workload, _pct
     from target_stack.engine.disagg import DisaggCluster
 
+    _check_sampled_process_exits(ctx)
     p = ctx.params
     workload = Workload.parse(p["workload"])
     fd, path = tempfile.mkstemp(suffix=".jsonl")

@@ -31,6 +31,7 @@ SMALL_BATCH = "target_stack/ops/moe/small_batch.py"
 MODEL = "target_stack/model/model.py"
 IMAGE = "target_stack/model/image.py"
 NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
+NATIVE_PY = "target_stack/ops/moe/native/__init__.py"
 MOE_GROUPED = "target_stack/ops/moe/grouped.py"
 MOE_REFERENCE = "target_stack/ops/moe/reference.py"
 MARGIN = 1e-4  # a discrete choice is compared only where the float64 scores are this far apart
@@ -402,7 +403,8 @@ def layers(ctx: ProbeContext) -> None:
 @probe(kind="correctness")
 def moe_native(ctx: ProbeContext) -> None:
     """The native (C) MoE dispatch / experts / combine: the extension's call on float64-chosen
-    experts and weights (no routing margin involved), then the layer on its native path."""
+    experts and weights (no routing margin involved), the GPU path's host layout wait against its
+    deadline (``_check_layout_wait``), then the layer on its native path."""
     from target_stack.model.layers import MoE
     from target_stack.ops.moe.native import moe_dispatch_combine
 
@@ -431,6 +433,7 @@ def moe_native(ctx: ProbeContext) -> None:
         return  # the layer's native path would crash this process too
     # the extension itself is right: a wrong native-path output is the layer's use of it
     file = LAYERS if ctx.failed == failed else NATIVE_C
+    isolated(ctx, lambda: _check_layout_wait(ctx, draw), file=NATIVE_C, symbol="ts_moe_layout_wait")
 
     def native_paths(moe, bf16):
         return {"MoE.forward (backend='native')" + (" bf16" if bf16 else ""): moe}
@@ -438,6 +441,138 @@ def moe_native(ctx: ProbeContext) -> None:
     isolated(ctx, lambda: check_moe(ctx, chk, draw, native_paths, file, backend="native"), chk, file=NATIVE_C,
              symbol="MoE.forward (backend='native')")
     chk.report()
+
+
+def _waited(call, flag: torch.Tensor, value: int, publish_s: float | None, give_up_s: float) -> dict:
+    """``call()`` (a wait for ``flag`` to read ``value``) on a thread of its own while this one publishes ``value``
+    ``publish_s`` after the start (another thread's store, as the device's copy is); with ``publish_s`` None it is
+    published only to end a wait still running ``give_up_s`` after the start.  {"value" or "error", "elapsed" (the
+    call's own seconds), "late" (seconds from the publication to the call's return: negative where it returned
+    first), "stuck" (still running then, or ``give_up_s`` after the publication)}."""
+    import threading
+    import time
+
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["value"] = call()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller, against the contract
+            out["error"] = exc
+        out["end"] = time.monotonic()
+        out["elapsed"] = out["end"] - t0
+
+    waiter = threading.Thread(target=run, name="layout-wait", daemon=True)
+    waiter.start()
+    if publish_s is not None:
+        waiter.join(publish_s)
+        published = time.monotonic()  # before the store: a wait that sees it cannot return earlier
+        flag.fill_(value)
+    waiter.join(give_up_s)
+    out["stuck"] = waiter.is_alive()
+    if publish_s is not None and not out["stuck"]:
+        out["late"] = out["end"] - published
+    if out["stuck"]:
+        flag.fill_(value)  # end a wait that ignores its timeout (or its flag) rather than leave it spinning
+        waiter.join(give_up_s)
+    return out
+
+
+def _check_layout_wait(ctx: ProbeContext, draw: Draw) -> None:
+    """The GPU MoE path's host wait (``ts_moe_layout_wait``: spin until the routing flag reads the sequence
+    number, then sort the pairs by expert) keeps its deadline in its own unit: a flag published late by
+    another thread (a lagging device) is seen well inside a generous timeout, and a flag never published
+    ends in the timeout error after about the timeout, neither much sooner nor much later.  The C function
+    is called first through a signature declared here (timeout in microseconds, the C source's contract);
+    only where it keeps the contract is the Python wrapper judged, with an explicit timeout and with its
+    default (the one :class:`HostLayout` uses in production)."""
+    import ctypes
+
+    from target_stack.ops.moe import native
+
+    c = {"publish_s": 0.2, "timeout_s": 0.3, "generous_s": 3.0, "slack_s": 1.5, **ctx.params.get("layout_wait", {})}
+    delay, short, generous, slack = c["publish_s"], c["timeout_s"], c["generous_s"], c["slack_s"]
+    E, P = 6, 53
+    experts = torch.randint(0, E, (P,), generator=draw.cpu)
+    want_order = torch.argsort(experts, stable=True)
+    want_ends = torch.bincount(experts, minlength=E).cumsum(0)
+    flag = torch.zeros(1, dtype=torch.int32)
+    order, ends = torch.empty(P, dtype=torch.int64), torch.empty(E, dtype=torch.int64)
+
+    fn = ctypes.CDLL(str(native.build())).ts_moe_layout_wait  # a handle of its own: the wrapper's setup not used
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p]
+
+    def direct(expected: int, timeout_s: float):
+        def call() -> int:
+            return fn(flag.data_ptr(), expected, int(timeout_s * 1e6), experts.data_ptr(), P, E, order.data_ptr(),
+                      ends.data_ptr())
+        return call
+
+    def wrapper(expected: int, timeout_s: float | None):
+        def call():
+            kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+            return native.moe_layout_wait(flag, expected, experts, E, order, ends, **kw)
+        return call
+
+    def judge(r: dict, late: bool, timeout_s: float | None, file: str, symbol: str, how: str) -> bool:
+        what = (f"a flag published {delay:g} s late by another thread, timeout "
+                f"{'default' if timeout_s is None else f'{timeout_s:g} s'}" if late
+                else f"a flag never published, timeout {timeout_s:g} s")
+        where = dict(file=file, symbol=symbol, condition=f"{how}: {what}")
+        took = r.get("elapsed")
+        took_s = "still waiting" if took is None else f"after {took:.3f} s"
+        if r["stuck"]:
+            return ctx.check(False, f"the layout wait ignored its deadline: {what}: still waiting {slack:g} s "
+                             f"{'after the publication' if late else 'past the timeout'}", **where)
+        if "error" in r and (late or not isinstance(r["error"], TimeoutError)):
+            e = r["error"]
+            timeout = isinstance(e, TimeoutError)
+            return ctx.check(False, f"the layout wait raised {type(e).__name__}: {str(e)[:120]} {took_s}, for {what}"
+                             + (" (a timeout in the wrong unit, or a call that keeps the GIL so the flag cannot be "
+                                "published)" if timeout and late else ""), **where)
+        rc = r.get("value")
+        if "error" in r:
+            pass  # the wrapper's timeout error: judged by its time below
+        elif not isinstance(rc, tuple):  # the C function's return code
+            if late and rc != 0 or not late and rc != -3:
+                return ctx.check(False, f"the layout wait returned {rc} {took_s} for {what} (0: the flag seen, -3: the "
+                                 "timeout)", **where)
+        elif not late:
+            return ctx.check(False, f"the layout wait returned {took_s} for {what} instead of raising TimeoutError",
+                             **where)
+        if late:
+            after = r["late"]
+            if not ctx.check(0 <= after <= slack, f"the layout wait returned {took_s} for {what}: "
+                             f"{'before the flag was published' if after < 0 else f'{after:.3f} s after it'}", **where):
+                return False
+            got_order, got_ends = r["value"] if isinstance(r["value"], tuple) else (order, ends)
+            return ctx.check(torch.equal(got_order.cpu(), want_order) and torch.equal(got_ends.cpu(), want_ends),
+                             f"the layout after {what} is not the stable sort of the pairs by expert with its group "
+                             "ends", **where)
+        return ctx.check(short * 0.9 <= took <= short + slack, f"the layout wait timed out {took_s} for {what}: "
+                         f"{'far sooner' if took < short * 0.9 else 'far later'} than its timeout", **where)
+
+    seq = 0
+
+    def case(make, late: bool, timeout_s: float | None, file: str, symbol: str, how: str) -> bool:
+        nonlocal seq
+        seq += 1
+        flag.fill_(-seq)
+        r = _waited(make(seq, timeout_s), flag, seq, delay if late else None, slack if late else timeout_s + slack)
+        return judge(r, late, timeout_s, file, symbol, how)
+
+    c_sym = "ts_moe_layout_wait (called directly, timeout in microseconds)"
+    ok = case(direct, True, generous, NATIVE_C, c_sym, "the C function")
+    ok = case(direct, False, short, NATIVE_C, c_sym, "the C function") and ok
+    if not ok:
+        return  # the wrapper can do no better than the function it calls
+    py_sym = "moe_layout_wait (library / ts_moe_layout_wait)"
+    if case(wrapper, True, generous, NATIVE_PY, py_sym, "moe_layout_wait"):
+        case(wrapper, True, None, NATIVE_PY, py_sym, "moe_layout_wait")  # a wait that keeps the GIL would hang here
+    case(wrapper, False, short, NATIVE_PY, py_sym, "moe_layout_wait")
 
 
 # -- quantisation ------------------------------------------------------------------------------------

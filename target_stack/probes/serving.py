@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 
 import torch
 
@@ -87,7 +88,9 @@ def sampler(ctx: ProbeContext) -> None:
 
     All cases share one batch: one sequence (own logits, parameters and seeded generator) per row,
     one ``sample`` call per draw, so a row mixed up with another, or a generator reseeded per step,
-    shows too.  The p-value threshold makes a false alarm a one-in-a-million event.
+    shows too.  The p-value threshold makes a false alarm a one-in-a-million event.  Unseeded
+    requests draw from fresh entropy: no two of them return the same completion, in one batch or two,
+    through ``sample`` or two engines (a false alarm: < 1e-18).
     """
     from target_stack.engine.sampler import sample, top_p_filter
     from target_stack.engine.sequence import SamplingParams, Sequence
@@ -141,7 +144,76 @@ def sampler(ctx: ProbeContext) -> None:
         replay = [sample(logits[:-1], again) for _ in range(p.get("replay", 50))]
         ctx.check(replay == [t[:-1] for t in first[:len(replay)]], "the same seed did not give the same draws",
                   **where, condition="seeded sequences")
+    with chk.guard(**where):
+        _check_unseeded(ctx, p)
+    with chk.guard(file=ENGINE, symbol="LLMEngine.generate (sampled requests)"):
+        _check_unseeded_engine(ctx, p)
     chk.report()
+
+
+def _distinct(completions: list[tuple[int, ...]]) -> tuple[int, int]:
+    """(pairs of equal completions, pairs in all)."""
+    n = len(completions)
+    same = sum(completions[i] == completions[j] for i in range(n) for j in range(i + 1, n))
+    return same, n * (n - 1) // 2
+
+
+def _check_unseeded(ctx: ProbeContext, p: dict) -> None:
+    """Unseeded sampled requests draw from fresh entropy: no two of them (in one batch, in two batches, in
+    two engines) return the same completion of the same prompt; seeded ones repeat theirs.
+
+    ``sample`` itself: ``unseeded_requests`` fresh sequences per batch, two batches, ``unseeded_steps``
+    draws each from uniform logits over ``vocab`` tokens (temperature 1).  Two independent completions
+    are equal with probability V**-L = 24**-16 = 8e-23; some pair of the 8 with at most 28 times that,
+    2.3e-21: a false alarm never happens.  The engine: two engines on one tiny model, three requests each
+    of one prompt at temperature ``unseeded_engine_temperature`` (1000): with the model's logits within
+    +-10 every token of its 256 has probability at most e**0.02 / 256 < 1/250 at each step, so two 8-token
+    completions agree with probability < 250**-8 = 6.6e-20, some pair of the 6 with < 1e-18."""
+    from target_stack.engine.sampler import sample
+    from target_stack.engine.sequence import SamplingParams, Sequence
+
+    V, L, K = p.get("vocab", 24), p.get("unseeded_steps", 16), p.get("unseeded_requests", 4)
+    logits = torch.zeros(K, V, device=ctx.device)
+    completions = []
+    for _ in range(2):  # two batches of fresh requests: two runs of a server
+        seqs = [Sequence(prompt=[0], params=SamplingParams(temperature=1.0)) for _ in range(K)]
+        steps = [sample(logits, seqs) for _ in range(L)]
+        completions += [tuple(col) for col in zip(*steps)]
+    same, pairs = _distinct(completions)
+    ctx.metric("unseeded_equal_pairs", same, better="lower")
+    ctx.check(same == 0, f"{same} of {pairs} pairs of unseeded sampled requests drew the same {L} tokens from "
+              f"a uniform distribution over {V} (chance {pairs} * {V}**-{L}): unseeded generators are not "
+              "seeded from fresh entropy", file=SAMPLER, symbol="sample (an unseeded request's generator)",
+              condition=f"{K} requests per batch, two batches, temperature 1, seed None")
+
+
+def _check_unseeded_engine(ctx: ProbeContext, p: dict) -> None:
+    """The same through the engine: each request its own entropy when unseeded, its seed when seeded."""
+    from target_stack.engine import LLMEngine, SamplingParams
+    from target_stack.model.model import HybridModel, ModelConfig
+
+    draw = Draw(ctx.device)
+    model = HybridModel(ModelConfig(seed=int(draw.randint(2**31 - 1, (1,))), layers=p.get("engine_layers", 2)))
+    prompt = draw.randint(model.cfg.vocab, (5,)).tolist()
+    T, n, k = p.get("unseeded_engine_temperature", 1000.0), p.get("unseeded_engine_tokens", 8), 3
+    seed = int(draw.randint(2**31 - 1, (1,)))
+    unseeded, seeded = [], []
+    for _ in range(2):
+        engine = LLMEngine(model, device=ctx.device, num_pages=16, max_model_len=64, cuda_graphs=False)
+        outs = engine.generate([prompt] * (2 * k), [SamplingParams(max_tokens=n, temperature=T)] * k
+                               + [SamplingParams(max_tokens=n, temperature=T, seed=seed)] * k)
+        unseeded += [tuple(o.tokens) for o in outs[:k]]
+        seeded += [tuple(o.tokens) for o in outs[k:]]
+    default_seed = SamplingParams().seed
+    where = (dict(file=SEQUENCE, symbol="SamplingParams.seed") if default_seed is not None
+             else dict(file=ENGINE, symbol="LLMEngine.add_request / step (the requests' sampling)"))
+    same, pairs = _distinct(unseeded)
+    ctx.check(same == 0, f"{same} of {pairs} pairs of unseeded requests of one prompt returned the same {n} tokens "
+              f"at temperature {T:g} (chance < 1e-18)" + (f"; SamplingParams' default seed is {default_seed}"
+                                                         if default_seed is not None else ""),
+              **where, condition=f"{k} requests in each of two engines, seed None")
+    ctx.check(len(set(seeded)) == 1, f"requests of one prompt and one seed returned different tokens: {seeded}",
+              **where, condition=f"{k} requests in each of two engines, seed {seed}")
 
 
 # -- the engine against the float64 model ----------------------------------------------------------
@@ -562,7 +634,6 @@ def _colocated_tokens(seed: int, device: str, requests: list, sizes: dict) -> li
     return [engine.generate([prompt], params, images=[img])[0].tokens for prompt, params, img in requests]
 
 
-@probe(kind="correctness")
 def _check_messages(ctx: ProbeContext) -> None:
     """The wire protocol survives the process boundary: every message record of ``disagg.messages`` comes
     back from a multiprocessing queue equal and of its type, and ``STOP`` comes back as itself (the workers
@@ -600,25 +671,117 @@ def _check_messages(ctx: ProbeContext) -> None:
         q.join_thread()
 
 
-def _check_shutdown(ctx: ProbeContext, workers, stats: dict) -> None:
-    """``close`` stops every worker cleanly: each reports its pool accounting (nothing leaked) and exits 0."""
+def _check_shutdown(ctx: ProbeContext, workers, stats: dict, killed: frozenset = frozenset(),
+                    close_s: float = 0.0, close_bound: float = math.inf) -> None:
+    """``close`` stops every worker cleanly and promptly: each reports its pool accounting (nothing leaked:
+    pages, slots) and exits 0, but for those the probe killed (``killed``); ``close_s`` within ``close_bound``."""
     where = dict(file=DISAGG_WORKERS, symbol="the workers' shutdown (STOP, Stats) / DisaggCluster.close",
-                 condition="after the runs")
+                 condition="after the runs (a failed prefill, refused reservations, a killed "
+                           f"{'/'.join(sorted(killed)) or 'no'} worker among them)")
     want = {"prefill"} | ({"decode"} if workers.transfer else set())
     ctx.check(want <= set(stats), f"close() got no accounting from {sorted(want - set(stats))}", **where)
     for name, acct in stats.items():
+        # a leak names the code that holds it: the worker's own release paths
         ctx.check(not acct.get("leaked_pages") and not acct.get("leaked_slots"),
-                  f"the {name} worker stopped holding {acct}", **where)
-    codes = {n: proc.exitcode for n, proc in workers.procs.items()}
+                  f"the {name} worker stopped holding {acct}: pages or slots of finished, refused or failed "
+                  "requests were never given back", **where)
+    codes = {n: proc.exitcode for n, proc in workers.procs.items() if n not in killed}
     ctx.check(all(c == 0 for c in codes.values()), f"workers did not exit cleanly: exit codes {codes}", **where)
+    ctx.metric("close_s", close_s, "s", better="lower")
+    ctx.check(close_s <= close_bound, f"close() took {close_s:.1f} s (bound {close_bound:g} s)",
+              file=DISAGG_CLUSTER, symbol="DisaggCluster.close", condition=where["condition"])
 
 
+def _load_run(ctx: ProbeContext, workers, prompt: list[int], vocab: int, p: dict, timeout: float) -> list:
+    """More requests at once than the decode worker has state slots (its reservations are refused), one of
+    them invalid (a token outside the vocabulary: its prefill fails after its reservation): the invalid
+    one and only refused ones fail, each with its own error; the others run to ``load_max_tokens``.
+    Returns the requests that came back, as (request, output), for the token check."""
+    from target_stack.engine import SamplingParams
+
+    k, m = p.get("load_requests", 12), p.get("load_max_tokens", 32)
+    params = SamplingParams(max_tokens=m)
+    bad = prompt[:2] + [vocab + 3] + prompt[2:]
+    requests = [(prompt, params, None)] * k
+    requests[1] = (bad, params, None)  # early: its reservation is granted, then its prefill fails
+    res = workers.run(requests, timeout_s=timeout)
+    where = dict(file=DISAGG_WORKERS, symbol="prefill_worker / decode_worker (refusals, failed prefills)",
+                 condition=f"{k} requests of {m} tokens at once, {_decode_slots(p)} decode slots, request 1 invalid")
+    ctx.check(isinstance(res.outputs[1], Exception), f"a request with token {vocab + 3} (vocabulary {vocab}) came "
+              f"back as {res.outputs[1]!r}, not an error", **where)
+    refused, served = 0, []
+    for r, out in enumerate(res.outputs):
+        if r == 1:
+            continue
+        if isinstance(out, Exception):
+            refused += 1
+            continue
+        if ctx.check(len(out.tokens) == m, f"request {r} came back with {len(out.tokens)} of {m} tokens "
+                     f"({out.finish_reason!r})", **where):
+            served.append((r, out))
+    ctx.metric("refused_requests", refused)
+    ctx.check(bool(served), "every valid request of the load run failed: "
+              + "; ".join(sorted({str(o) for o in res.outputs if isinstance(o, Exception)})[:3]), **where)
+    return served
+
+
+def _decode_slots(p: dict) -> int:
+    return p.get("num_slots", 65) - 1  # slot 0 is the null slot
+
+
+def _check_dead_worker(ctx: ProbeContext, workers, request: tuple, image, p: dict) -> str | None:
+    """A worker that dies mid-run fails the requests pending on it promptly, with an error that names it:
+    the encode worker (whose death no other worker reports) is killed while ``run`` waits, before an image
+    request arrives for it.  Returns the killed worker's name (None if it could not be killed in time)."""
+    import threading
+
+    from target_stack.engine import SamplingParams
+
+    victim, arrive = "encode", p.get("dead_arrival_s", 0.25)
+    bound, timeout = p.get("dead_worker_bound_s", 5.0), p.get("dead_worker_timeout_s", 20.0)
+    proc, killed = workers.procs[victim], []
+
+    def kill() -> None:
+        proc.kill()
+        proc.join(5)
+        killed.append(time.monotonic())
+
+    prompt, params, _ = request
+    timer = threading.Timer(0.02, kill)
+    timer.start()
+    res = workers.run([(prompt, params, None), (prompt, SamplingParams(max_tokens=2), image)],
+                      arrivals=[0.0, arrive], timeout_s=timeout)
+    back = time.monotonic()
+    timer.join()
+    timing = res.timings[1]
+    if not killed or timing is None or killed[0] > timing.arrival:
+        ctx.finding(f"the {victim} worker was not dead before its request arrived: the dead-worker check "
+                    "did not run", file=DISAGG_CLUSTER, symbol="DisaggCluster.run")
+        return victim if killed else None
+    waited = back - timing.arrival
+    where = dict(file=DISAGG_CLUSTER, symbol="DisaggCluster.run (a worker process died)",
+                 condition=f"the {victim} worker killed mid-run, an image request pending on it, "
+                           f"timeout_s={timeout:g}")
+    ctx.metric("dead_worker_s", waited, "s", better="lower")
+    out = res.outputs[1]
+    ctx.check(waited <= bound, f"run() returned {waited:.1f} s after the request for the dead {victim} worker "
+              f"(bound {bound:g} s): it waited for its deadline instead of acting on the death", **where)
+    ctx.check(isinstance(out, Exception) and victim in str(out),
+              f"the request pending on the dead {victim} worker came back as {out!r}, not an error naming the "
+              "worker", **where)
+    return victim
+
+
+@probe(kind="correctness")
 def disagg(ctx: ProbeContext) -> None:
     """The KV transfer's copy in every mode against its definition, then greedy outputs of the
     disaggregated cluster (encode, prefill with the native MoE and the layer-split KV transfer,
     decode) against the float64 model on the same tokens: every token is the float64 argmax, or
     within the margin of a tie.  Wrong tokens are traced to the model's components where they are
-    the cause."""
+    the cause.  The same workers then take more requests than the decode worker has slots, one of
+    them invalid (refusals and a failed prefill: the others still right), and lose their encode
+    worker mid-run (its pending request must fail at once, naming it); at close both pools hold
+    nothing and close returns in bounded time."""
     import dataclasses
 
     from target_stack.engine import SamplingParams
@@ -645,15 +808,25 @@ def disagg(ctx: ProbeContext) -> None:
     where = dict(file=DISAGG_WORKERS, symbol="prefill_worker / decode_worker")
     result = None
     sizes = dict(stages=p.get("stages", 2), page_size=p.get("page_size", 16), num_pages=p.get("num_pages", 64),
-                 max_model_len=p.get("max_model_len", 256))
+                 max_model_len=p.get("max_model_len", 256), num_slots=p.get("num_slots", 65))
     timeout = p.get("timeout_s", 60)
     short = None
+    # every judged request: (request, its output, a label for the condition); load: the load run's
+    load: list = []
     with Checker(ctx, 0).guard(**where), DisaggCluster({"preset": "tiny", "seed": seed, "device": device},
                                                        **sizes) as workers:
         result = workers.run(requests, timeout_s=timeout)
         # the same workers, this run stopped at the prefill: each request's first token and nothing more
         short = workers.run(requests[:2], timeout_s=timeout, transfer=False)
-        _check_shutdown(ctx, workers, workers.close())
+        # the same workers under load (refused reservations, a failed prefill), then a worker killed mid-run;
+        # at close, both pools' accounting covers every path
+        load_prompt = prompts[0][:p.get("load_prompt", 5)]
+        load = _load_run(ctx, workers, load_prompt, cfg.vocab, p, timeout)
+        killed = _check_dead_worker(ctx, workers, requests[0], images[0], p)
+        t = time.monotonic()
+        stats = workers.close(timeout_s=p.get("close_timeout_s", 30))
+        _check_shutdown(ctx, workers, stats, frozenset({killed} - {None}), time.monotonic() - t,
+                        p.get("close_bound_s", 15))
     if result is None:
         return
     # how far below the float64 maximum (in standard deviations of the logits) a token may be: the
@@ -677,7 +850,14 @@ def disagg(ctx: ProbeContext) -> None:
     same = None  # the workers' own model in their precision, in this process: the second opinion below
     colocated = None  # the tokens of the same engine in one process: the decode's second opinion
     checked = wrong = failures = flips = 0
-    for r, ((prompt, _, img), out) in enumerate(zip(requests, result.outputs)):
+    judged = [(req, out, "") for req, out in zip(requests, result.outputs)]
+    # the load run's served requests (one prompt): each distinct output, its first load_judged tokens
+    mj = p.get("load_judged", 16)
+    for out in {tuple(o.tokens[:mj]): o for _, o in load}.values():
+        judged.append(((load_prompt, SamplingParams(max_tokens=len(out.tokens[:mj])), None),
+                       dataclasses.replace(out, tokens=out.tokens[:mj]), ", under load (refusals, a failed prefill)"))
+    requests = [req for req, _, _ in judged]
+    for r, ((prompt, _, img), out, label) in enumerate(judged):
         if isinstance(out, Exception):
             failures += 1
             ctx.fail(f"request failed: {out}", **where)
@@ -717,7 +897,7 @@ def disagg(ctx: ProbeContext) -> None:
                 step = "first token (prefill)" if i == 0 else f"decode step {i}"
                 after = "" if img is None else f" after an image of {embeds[id(img)].shape[0]} patches"
                 ctx.fail(f"token {i} is {t}, not the float64 argmax {int(w.argmax())} (gap {gap:.2f} std)", **where,
-                         condition=f"prompt of {len(prompt)}{after}, {step}")
+                         condition=f"prompt of {len(prompt)}{after}{label}, {step}")
     ctx.metric("tokens_checked", checked)
     ctx.metric("wrong_tokens", wrong, better="lower")
     if device != "cpu":

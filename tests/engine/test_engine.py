@@ -139,6 +139,10 @@ def test_bad_requests_are_refused_and_never_enter_the_batch(model, gen):
     with pytest.raises(RequestError, match="multiples of the patch"):
         engine.add_request([1, 2], image=torch.rand(3, 12, 16, generator=gen))
     assert not engine.has_unfinished()
+    # a list is taken whole or not at all: the good prompt queued before the refused one is not left to run
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.generate([[3, 4, 5], [1, model.cfg.vocab]], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
     ok = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=2))[0]
     assert ok.finish_reason == "length" and len(ok.tokens) == 2
     assert_no_leaks(engine)

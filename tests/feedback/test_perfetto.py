@@ -35,6 +35,10 @@ def test_spans_instants_ticks_and_names_in_the_trace_event_format():
     assert any(e["name"] == "kv_transfer (no end)" for e in trace["traceEvents"])  # never ended: still shown
     assert any(e["name"] == "decode.adopt" and e["ph"] == "i" for e in trace["traceEvents"])
     assert problems({"traceEvents": [{"ph": "X", "name": "x", "ts": -1, "dur": 1, "pid": 1, "tid": 1}]})
+    # a sampler's ticks taken before the first event written (a worker's, on a GPU) start the time axis
+    early = trace_events([{"t": 5.0, "event": "dispatch.enter", "pid": 3},
+                          {"t": 5.2, "event": "gil.ticks", "pid": 3, "ticks": [4.997, 4.998, 5.1]}])
+    assert problems(early) == [] and min(e["ts"] for e in early["traceEvents"] if "ts" in e) == 1000.0
     assert problems({"events": []}) == ["not a JSON object with a traceEvents list"]
 
 

@@ -72,8 +72,9 @@ def test_inside_a_repository_the_queue_is_that_repository_s_without_target(tmp_p
     _item(ReviewQueue(StateDir.for_target(repo).review_db), hypothesis="state the dot's precision")
 
     def listed(cwd):
+        # a narrow terminal: the note's path must stay whole on its line
         out = subprocess.run([sys.executable, "-m", "infra_agent.cli", "review", "list", "--json"], cwd=cwd,
-                             capture_output=True, text=True, timeout=120, env=env_without_keys())
+                             capture_output=True, text=True, timeout=120, env={**env_without_keys(), "COLUMNS": "60"})
         assert out.returncode == 0, out.stderr
         return [i["hypothesis"] for i in json.loads(out.stdout)], out.stderr
 

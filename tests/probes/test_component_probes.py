@@ -105,6 +105,16 @@ DEFECTS = {
     "cancelled request stays queued": (
         ENGINE, "        self.scheduler.release(seq)\n        self.scheduler.remove_waiting(seq)",
         "        self.scheduler.release(seq)"),
+    # preemption and admission: a copy of nothing resumed from, a request that never starts or starts a step late
+    "preempted sequence copied after its release": (
+        SCHEDULER, "        seq.swapped = self.swap_out(seq)\n        self.release(seq)",
+        "        self.release(seq)\n        seq.swapped = self.swap_out(seq)"),
+    "a prompt past the prefill budget never admitted": (
+        SCHEDULER, "if not resuming and plan.prefill and tokens", "if not resuming and tokens"),
+    "a prompt filling the rest of the prefill budget waits a step": (
+        SCHEDULER, "- reused > self.max_prefill_tokens", "- reused >= self.max_prefill_tokens"),
+    "conv state not swapped back in": (
+        RUNNER, "            pool.conv[seq.slot] = conv.to(self.device)\n", ""),
     # the GPU's decode path only, unless a probe turns the layer's fused kernels on
     "decode-input tails shifted twice from the same slot": (
         DECODE_INPUTS, "tl.store(pool + (slot * 3 + 1) * C + ch, t2, mask=live)",
@@ -284,6 +294,27 @@ def test_scheduler_defects_that_outputs_hide_break_its_promises(tmp_path):
     assert any("most recently admitted" in m for m in victim), victim
 
 
+def test_a_preempted_copy_of_nothing_and_a_request_never_admitted_are_blamed_on_the_scheduler(tmp_path):
+    # the copy is taken after the pages and slot are given back; a prompt past max_prefill_tokens waits forever
+    r = _judge(tmp_path, ["preempted sequence copied after its release",
+                          "a prompt past the prefill budget never admitted"], ["engine.scheduler"])
+    res = r["engine.scheduler"]
+    assert_caught(res, (SCHEDULER, "Scheduler.preempt"), (SCHEDULER, "Scheduler.schedule"))
+    messages = [f.message for f in res.findings]
+    assert any("swap_out was given pages []" in m for m in messages), messages
+    assert any("made no progress" in m for m in messages), messages  # the step bound, not the probe's budget_s
+    assert any("left queued though admissible" in m for m in messages), messages
+
+
+def test_a_late_admission_at_the_budget_and_a_lost_swap_in_are_told_apart(tmp_path):
+    r = _judge(tmp_path, ["a prompt filling the rest of the prefill budget waits a step",
+                          "conv state not swapped back in"], ["engine.scheduler"])
+    res = r["engine.scheduler"]
+    assert_caught(res, (SCHEDULER, "Scheduler.schedule"), (RUNNER, "ModelRunner.swap_in"))
+    late = [f.message for f in res.findings if f.location.symbol == "Scheduler.schedule"]
+    assert late and all("left queued though admissible" in m for m in late), late
+
+
 @pytest.mark.slow
 def test_replay_defect_is_caught_while_the_disaggregated_cluster_passes(tmp_path):
     r = _judge(tmp_path, ["replay decay off by one token"], ["engine.reference", "engine.disagg.correctness"])
@@ -339,8 +370,105 @@ def test_stop_tokens_swap_snapshots_and_prefix_heads_are_judged(tmp_path):
     assert all("stop_token=0 " in f.location.condition for f in res.findings if "violates" not in f.message)
     assert_caught(r["engine.pool_accounting"], (RUNNER, "ModelRunner.swap_out"))
     assert_caught(r["engine.scheduler"], (PREFIX, "PrefixCache.acquire"), only=False)
+    # the saved state changes while swapped out: the copy is blamed when it is swapped back in
+    assert_caught(r["engine.scheduler"], (RUNNER, "ModelRunner.swap_out"), only=False)
 
 
 def test_the_torch_chunk_form_is_blamed_for_its_own_defect(tmp_path):
     r = _judge(tmp_path, ["torch chunk form decays the carried state the wrong way"], ["model.kda_layer"])
     assert_caught(r["model.kda_layer"], (NAIVE, "naive_chunk_kda"), only=False)
+
+
+# -- the native layout wait's deadline, the sampler's exit, the page pool under threads: the probes' checks on the
+# real components, with a realistic defect planted where it would sit (lighter than a whole harness run)
+
+
+def _findings(ctx) -> list[tuple[str, str, str]]:
+    return [(f.location.file or "", f.location.symbol or "", f.message) for f in ctx.findings]
+
+
+def test_the_layout_wait_check_blames_a_timeout_in_the_wrong_unit_on_the_wrapper(monkeypatch):
+    """The wrapper's timeout passed in milliseconds to a C function that takes microseconds (a 3 s wait becomes
+    3 ms): the C function called directly keeps its deadlines, the wrapper misses a flag published 0.2 s late."""
+    from feedback.probe import ProbeContext
+    from target_stack.ops.moe import native
+    from target_stack.probes.model import NATIVE_PY, _check_layout_wait
+
+    ctx = ProbeContext("model.moe.native", {}, ".")
+    _check_layout_wait(ctx, ref.Draw("cpu"))
+    assert not ctx.failed, _findings(ctx)
+
+    real = native.library()
+
+    class Milliseconds:  # the library as the wrapper sees it, its timeout argument read a thousand times short
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def ts_moe_layout_wait(flag, expected, timeout, *rest):
+            return real.ts_moe_layout_wait(flag, expected, timeout // 1000, *rest)
+
+    monkeypatch.setattr(native, "library", lambda: Milliseconds())
+    ctx = ProbeContext("model.moe.native", {}, ".")
+    _check_layout_wait(ctx, ref.Draw("cpu"))
+    found = _findings(ctx)
+    assert ctx.failed and found and {f for f, _, _ in found} == {NATIVE_PY}, found
+    assert any("TimeoutError" in m and "published 0.2 s late" in m for _, _, m in found), found
+
+
+def test_a_sampler_thread_that_keeps_the_process_alive_is_blamed_on_the_events_module(tmp_path, monkeypatch):
+    """A process that writes events with the GIL sampler on must exit when its main code ends; with the sampler
+    thread started without daemon=True it never does, and the check says so within its grace time."""
+    import time
+
+    import target_stack.events as events
+    from feedback.probe import ProbeContext
+    from target_stack.probes.engine import EVENTS, _check_sampled_process_exits
+
+    ctx = ProbeContext("engine.kv_transfer.events", {}, ".")
+    _check_sampled_process_exits(ctx)
+    assert not ctx.failed, _findings(ctx)
+
+    src = pathlib.Path(events.__file__).read_text()
+    text = 'threading.Thread(target=run, name="gil-sampler", daemon=True).start()'
+    assert src.count(text) == 1
+    (tmp_path / "target_stack").mkdir()
+    (tmp_path / "target_stack" / "__init__.py").write_text("")
+    planted = tmp_path / "target_stack" / "events.py"
+    planted.write_text(src.replace(text, 'threading.Thread(target=run, name="gil-sampler").start()'))
+    monkeypatch.setattr(events, "__file__", str(planted))  # the check runs the child on this module's tree
+    ctx = ProbeContext("engine.kv_transfer.events", {"exit_grace_s": 1.0}, ".")
+    t0 = time.monotonic()
+    _check_sampled_process_exits(ctx)
+    assert time.monotonic() - t0 < 20
+    found = _findings(ctx)
+    assert ctx.failed and [f for f, _, _ in found] == [EVENTS], found
+    assert "did not exit" in found[0][2] and "after its main code ended" in found[0][2], found
+
+
+def test_a_pool_capacity_check_outside_its_lock_is_caught_under_threads(monkeypatch):
+    """FreeList.take checking the free count before taking its lock: two threads near exhaustion both pass the
+    check and one pops from an empty list (IndexError, pages lost).  The clean pool passes the same run."""
+    from feedback.probe import ProbeContext
+    from target_stack.engine import cache
+    from target_stack.probes.engine import _check_pool_threads
+
+    ctx = ProbeContext("engine.pool_accounting", {}, ".")
+    _check_pool_threads(ctx)
+    assert not ctx.failed, _findings(ctx)
+
+    def take(self, count, owner):
+        if count > len(self._free):
+            raise cache.OutOfMemory(f"{self.what}: need {count}, {len(self._free)} free")
+        with self._lock:
+            ids = [self._free.pop() for _ in range(count)]
+            for i in ids:
+                self._owner[i] = owner
+            return ids
+
+    monkeypatch.setattr(cache.FreeList, "take", take)
+    ctx = ProbeContext("engine.pool_accounting", {"pool_threads": {"seconds": 3.0}}, ".")  # ends at the first error
+    _check_pool_threads(ctx)
+    found = _findings(ctx)
+    assert ctx.failed and {f for f, _, _ in found} == {KV_CACHE}, found
+    assert any(s == "FreeList.take" and "IndexError" in m for _, s, m in found), found

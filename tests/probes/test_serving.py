@@ -27,3 +27,114 @@ def test_the_colocated_engine_gives_the_clusters_tokens_on_a_clean_tree():
     mine = _colocated_tokens(seed, "cpu", requests, sizes)
     assert [len(t) for t in mine] == [4] * len(requests)
     assert mine == [out.tokens for out in result.outputs]
+
+
+# -- sampling entropy (engine.sampler) ----------------------------------------------------------------
+
+
+def _shared_seed(real):
+    """``sample`` with the defect under test: every unseeded request's generator on one fixed seed."""
+
+    def sample(logits, seqs):
+        for s in seqs:
+            if s.generator is None and s.params.temperature > 0 and s.params.seed is None:
+                s.generator = torch.Generator(device=logits.device).manual_seed(1234)
+        return real(logits, seqs)
+
+    return sample
+
+
+def test_unseeded_requests_draw_distinct_completions_and_a_shared_seed_is_located(monkeypatch):
+    import target_stack.engine.engine as engine_mod
+    import target_stack.engine.sampler as sampler_mod
+    from feedback.probe import ProbeContext
+    from target_stack.probes.serving import _check_unseeded, _check_unseeded_engine
+
+    clean = ProbeContext("engine.sampler", {}, ".")
+    _check_unseeded(clean, clean.params)  # sample() directly
+    _check_unseeded_engine(clean, clean.params)  # two engines
+    assert not clean.failed, [f.message for f in clean.findings]
+    assert clean.metrics["unseeded_equal_pairs"].value == 0
+
+    monkeypatch.setattr(sampler_mod, "sample", _shared_seed(sampler_mod.sample))
+    broken = ProbeContext("engine.sampler", {}, ".")
+    _check_unseeded(broken, broken.params)
+    files = {f.location.file for f in broken.findings}
+    assert broken.failed and "target_stack/engine/sampler.py" in files
+
+    # the same defect on the engine's path only: located at the engine
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_mod, "sample", _shared_seed(engine_mod.sample))
+    engine_only = ProbeContext("engine.sampler", {}, ".")
+    _check_unseeded_engine(engine_only, engine_only.params)
+    assert engine_only.failed
+    assert {f.location.file for f in engine_only.findings} == {"target_stack/engine/engine.py"}
+
+
+# -- the disaggregated cluster: refusals, a failed prefill, a dead worker, close (engine.disagg.correctness)
+
+
+def test_disagg_load_run_refuses_then_a_killed_worker_fails_promptly_and_close_accounts_for_all():
+    import time
+
+    from feedback.probe import ProbeContext
+    from target_stack.probes.serving import _check_dead_worker, _check_shutdown, _load_run
+
+    params = {"num_slots": 7, "load_requests": 12, "load_max_tokens": 32, "dead_worker_bound_s": 5,
+              "dead_worker_timeout_s": 20}
+    ctx = ProbeContext("engine.disagg.correctness", params, ".")
+    cfg = PRESETS["tiny"]
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(cfg.vocab, (5,), generator=g).tolist()
+    image = torch.rand(3, 2 * cfg.patch, 2 * cfg.patch, generator=g)
+    sizes = dict(stages=2, page_size=16, num_pages=64, max_model_len=256, num_slots=7)
+    with DisaggCluster({"preset": "tiny", "seed": 7, "device": "cpu"}, **sizes) as workers:
+        served = _load_run(ctx, workers, prompt, cfg.vocab, params, 60)
+        # more requests than decode slots: some refused (the path whose leaks close() counts), the rest served
+        assert served and ctx.metrics["refused_requests"].value > 0
+        assert all(len(out.tokens) == 32 for _, out in served)
+        killed = _check_dead_worker(ctx, workers, (prompt, SamplingParams(max_tokens=2), None), image, params)
+        assert killed == "encode" and ctx.metrics["dead_worker_s"].value <= 5
+        t = time.monotonic()
+        stats = workers.close()
+        _check_shutdown(ctx, workers, stats, frozenset({killed}), time.monotonic() - t, 15)
+    assert not ctx.failed, [f.message for f in ctx.findings]
+    assert stats["prefill"] == stats["decode"] == {"leaked_pages": 0, "leaked_slots": 0}
+
+    # the accounting of a leaking worker and a slow close: each reported, at the code that broke
+    leaky = ProbeContext("engine.disagg.correctness", params, ".")
+    _check_shutdown(leaky, workers, {"prefill": {"leaked_pages": 2, "leaked_slots": 1},
+                                     "decode": {"leaked_pages": 0, "leaked_slots": 0}}, frozenset({killed}), 20.0, 15)
+    files = [f.location.file for f in leaky.findings]
+    assert files.count("target_stack/engine/disagg/workers.py") == 1
+    assert files.count("target_stack/engine/disagg/cluster.py") == 1
+
+
+def test_the_dead_worker_check_flags_a_run_that_waits_out_its_deadline():
+    # a client that does not act on a dead worker: run() returns only at its deadline
+    import multiprocessing as mp
+    import time
+
+    from feedback.probe import ProbeContext
+    from target_stack.engine.disagg import DisaggResult
+    from target_stack.engine.disagg.messages import Timing
+    from target_stack.engine.sequence import RequestError
+    from target_stack.probes.serving import _check_dead_worker
+
+    class Deaf:
+        def __init__(self):
+            self.procs = {"encode": mp.get_context("spawn").Process(target=time.sleep, args=(30,), daemon=True)}
+            self.procs["encode"].start()
+
+        def run(self, requests, arrivals, timeout_s):
+            t0 = time.monotonic()
+            timings = [Timing(arrival=t0 + a) for a in arrivals]
+            time.sleep(timeout_s)
+            return DisaggResult([RequestError(f"timed out after {timeout_s:.0f} s")] * len(requests), timings, {})
+
+    params = {"dead_worker_bound_s": 0.5, "dead_worker_timeout_s": 2, "dead_arrival_s": 0.3}
+    ctx = ProbeContext("engine.disagg.correctness", params, ".")
+    assert _check_dead_worker(ctx, Deaf(), ([1, 2, 3], SamplingParams(max_tokens=2), None), None, params) == "encode"
+    assert ctx.failed
+    assert {f.location.file for f in ctx.findings} == {"target_stack/engine/disagg/cluster.py"}
+    assert ctx.metrics["dead_worker_s"].value > 1
