@@ -133,11 +133,9 @@ def captured_timeline() -> list[dict]:
     return list(_timeline)
 
 
-def read_events(path: str | os.PathLike) -> list[dict]:
-    """Events from a JSONL file; a torn last line (a killed writer) is skipped, not an error.
-
-    With ``--trace-dir`` (``INFRA_AGENT_TRACE_DIR``) they are also written there as a Chrome/Perfetto
-    trace, threads named (``feedback/perfetto.py``): whatever a probe reads, a person can look at."""
+def load_events(path: str | os.PathLike) -> list[dict]:
+    """Events from a JSONL file as they stand (a file still being written may be read again); a torn line
+    (a killed writer, or one mid-write) is skipped, not an error."""
     out = []
     with open(path) as f:
         for line in f:
@@ -145,6 +143,15 @@ def read_events(path: str | os.PathLike) -> list[dict]:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+    return out
+
+
+def read_events(path: str | os.PathLike) -> list[dict]:
+    """Events from a JSONL file (``load_events``), read once a run is over.
+
+    With ``--trace-dir`` (``INFRA_AGENT_TRACE_DIR``) they are also written there as a Chrome/Perfetto
+    trace, threads named (``feedback/perfetto.py``): whatever a probe reads, a person can look at."""
+    out = load_events(path)
     from feedback import perfetto
 
     perfetto.export(out, source=os.path.basename(path))

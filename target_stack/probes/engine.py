@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from feedback.correctness import fresh_generator
-from feedback.events import SAMPLE_VAR, gil_blocked, read_events, sampler_faults, spans
+from feedback.events import SAMPLE_VAR, gil_blocked, load_events, read_events, sampler_faults, spans
 from feedback.probe import ProbeContext, probe
 from target_stack.engine import LLMEngine, SamplingParams
 from target_stack.model.model import PRESETS, HybridModel, ModelConfig
@@ -531,7 +531,6 @@ def _check_sampled_process_exits(ctx: ProbeContext) -> None:
     main code ends: whatever the event machinery starts must not keep the interpreter alive (a worker or a probe
     that hangs at shutdown).  Run in a short child (this tree's ``target_stack``): it must exit within
     ``exit_grace_s`` of its last statement, cleanly, with its sampler's ticks written."""
-    import json
     import subprocess
     import sys
     import time
@@ -548,15 +547,8 @@ def _check_sampled_process_exits(ctx: ProbeContext) -> None:
     env = {**os.environ, "INFRA_AGENT_EVENTS": path, SAMPLE_VAR: str(p.get("gil_sample_s", 5e-4)),
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
-    def read() -> list[dict]:
-        out = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-        return out
+    def read() -> list[dict]:  # polled while the child runs: not exported as a trace each time
+        return load_events(path)
 
     proc = subprocess.Popen([sys.executable, "-c", _SAMPLED_CHILD], cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -62,6 +62,23 @@ def _text(draw: Draw, n: int) -> str:
     return "".join(chr(32 + int(c)) for c in draw.randint(95, (n,)))
 
 
+class _Hung(Exception):
+    """A request waited out its timeout: the server stopped answering, so the check's later requests would
+    only wait out theirs again."""
+
+
+def _ask(ctx: ProbeContext, url: str, data: bytes, timeout: float, what: str, where: dict) -> tuple[int, dict] | None:
+    """POST ``data``: the status and answer, or None with the failure recorded when none came (``_Hung`` raised
+    when it waited out ``timeout``)."""
+    try:
+        return _post(url, data, timeout)
+    except Exception as exc:  # a server that hangs up or hangs is a located failure
+        ctx.fail(f"{what} got no answer (timeout {timeout:g} s): {raised_message(exc)}", **where)
+        if _hung(exc):
+            raise _Hung from exc
+        return None
+
+
 def _hung(exc: BaseException) -> bool:
     """Whether a request failed by waiting out its timeout (not by a connection the server dropped)."""
     return isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError)
@@ -300,54 +317,45 @@ def _check_refusals(ctx: ProbeContext, base: str, twin, draw: Draw) -> int:
     for j, (what, symbol, route, body, want_code) in enumerate(refusals):
         where = dict(file=SERVE, symbol=symbol, condition=f"POST {route} with {what}")
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        if want_code is None:  # the engine's to judge: what the twin refuses is answered 400, the rest as it answers
-            want, why = _twin_answer(twin, body)
-            if want is not None:
-                try:
-                    code, got = _post(base + route, data, timeout)
-                except Exception as exc:  # noqa: BLE001
-                    ctx.fail(f"the request got no answer (timeout {timeout:g} s): {raised_message(exc)}", **where)
-                    failures += 1
-                    if _hung(exc):
-                        return failures
-                    continue
-                bad = _mismatches(code, got, body, want, why)
-                for b in bad:
-                    ctx.fail(b, **where)
-                failures += bool(bad)
-            else:
-                want_code = 400
-        if want_code is not None:
-            try:
-                code, got = _post(base + route, data, timeout)
-            except Exception as exc:  # noqa: BLE001 - a server that hangs up or hangs on a bad request
-                ctx.fail(f"{what} got no answer (timeout {timeout:g} s): {raised_message(exc)}", **where)
-                failures += 1
-                if _hung(exc):
-                    return failures
-            else:
-                message = (got.get("error") or {}).get("message") if isinstance(got, dict) else None
-                if not ctx.check(code == want_code and isinstance(message, str) and message,
-                                 f"{what} was answered {code} {json.dumps(got)[:120]}, not {want_code} with an "
-                                 "error message", **where):
-                    failures += 1
-        # liveness: a good request right after, greedy and seeded in turn
-        good = {"prompt": _text(draw, 6 + j % 5), "max_tokens": 2}
+        good = {"prompt": _text(draw, 6 + j % 5), "max_tokens": 2}  # the liveness request, greedy and seeded in turn
         if j % 2:
             good.update(temperature=0.7, top_p=0.95, seed=int(draw.randint(10_000, (1,))))
-        want, reused = _twin_answer(twin, good)
         try:
-            code, got = _post(url, json.dumps(good).encode(), timeout)
-        except Exception as exc:  # noqa: BLE001 - the server stopped answering after the refusal
-            ctx.fail(f"after {what} was refused, a good request ({_describe(good)}) got no answer (timeout "
-                     f"{timeout:g} s): {raised_message(exc)}", **where)
+            if want_code is None:  # the engine's to judge: what the twin refuses is answered 400, the rest as it does
+                want, why = _twin_answer(twin, body)
+                if want is not None:
+                    answer = _ask(ctx, base + route, data, timeout, "the request", where)
+                    if answer is None:
+                        failures += 1
+                        continue
+                    bad = _mismatches(*answer, body, want, why)
+                    for b in bad:
+                        ctx.fail(b, **where)
+                    failures += bool(bad)
+                else:
+                    want_code = 400
+            if want_code is not None:
+                answer = _ask(ctx, base + route, data, timeout, what, where)
+                if answer is None:
+                    failures += 1
+                else:
+                    code, got = answer
+                    message = (got.get("error") or {}).get("message") if isinstance(got, dict) else None
+                    if not ctx.check(code == want_code and isinstance(message, str) and message,
+                                     f"{what} was answered {code} {json.dumps(got)[:120]}, not {want_code} with an "
+                                     "error message", **where):
+                        failures += 1
+            want, reused = _twin_answer(twin, good)
+            after = f"after {what} was refused, a good request ({_describe(good)})"
+            answer = _ask(ctx, url, json.dumps(good).encode(), timeout, after, where)
+        except _Hung:
+            return failures + 1
+        if answer is None:
             failures += 1
-            if _hung(exc):
-                return failures
             continue
-        bad = _mismatches(code, got, good, want, reused)
+        bad = _mismatches(*answer, good, want, reused)
         for b in bad:
-            ctx.fail(f"after {what} was refused, a good request ({_describe(good)}): {b}", **where)
+            ctx.fail(f"{after}: {b}", **where)
         failures += bool(bad)
     ctx.metric("refusals", len(refusals))
     return failures

@@ -110,6 +110,26 @@ def test_disagg_load_run_refuses_then_a_killed_worker_fails_promptly_and_close_a
     assert files.count("target_stack/engine/disagg/cluster.py") == 1
 
 
+def test_a_load_run_that_refuses_nothing_is_lengthened_then_said_to_have_missed_the_refusal_path():
+    """Refusals depend on the device's speed (a fast GPU drains its decode slots before the last prefill asks):
+    a load run that refused nothing is repeated with requests twice as long up to the cap, and where even
+    that refuses nothing an observation says the path was not exercised (not a failure)."""
+    from feedback.probe import ProbeContext
+    from target_stack.probes.serving import _load_run
+
+    params = {"num_slots": 33, "load_requests": 3, "load_max_tokens": 3, "load_max_tokens_cap": 6}
+    ctx = ProbeContext("engine.disagg.correctness", params, ".")
+    cfg = PRESETS["tiny"]
+    prompt = torch.randint(cfg.vocab, (5,), generator=torch.Generator().manual_seed(3)).tolist()
+    sizes = dict(stages=2, page_size=16, num_pages=64, max_model_len=64, num_slots=33)
+    with DisaggCluster({"preset": "tiny", "seed": 3, "device": "cpu"}, **sizes) as workers:
+        served = _load_run(ctx, workers, prompt, cfg.vocab, params, 60)
+    assert not ctx.failed, [f.message for f in ctx.findings]
+    assert ctx.metrics["refused_requests"].value == 0 and ctx.metrics["load_max_tokens"].value == 6
+    assert sorted(len(out.tokens) for _, out in served) == [3, 3, 6, 6]  # both lengths ran, request 1 failed in each
+    assert any("refusal path was not exercised" in f.message for f in ctx.findings)
+
+
 def test_the_dead_worker_check_flags_a_run_that_waits_out_its_deadline():
     # a client that does not act on a dead worker: run() returns only at its deadline
     import multiprocessing as mp
