@@ -249,7 +249,7 @@ def render_summary(s: dict, console: Console) -> None:
         if items:
             console.print("  approve with: " + "; ".join(f"infra-agent review approve {i}" for i in items),
                           highlight=False)
-    console.print(f"[dim]trajectory {s['trajectory']}[/]")
+    console.print(f"[dim]trajectory {s['trajectory']}[/]", highlight=False, soft_wrap=True)  # a path stays whole
 
 
 def _clip(text: str, limit: int) -> str:

@@ -30,7 +30,8 @@ def test_a_narrow_session_summary_keeps_every_delta_whole():
               "kda.static.dot_precision.implicit_precision_calls: 5 -> 0"]
     summary = {"session": "s", "outcome": "finished", "steps": 2, "branch": "infra-agent/s", "head": "0" * 40,
                "accepted": 0, "held": 1, "rejected": 0, "failing_before": ["engine.kv_transfer.events"],
-               "failing_after": [], "unaddressed": [], "summary": "", "trajectory": "t.jsonl", "scenario": None,
+               "failing_after": [], "unaddressed": [], "summary": "", "scenario": None,
+               "trajectory": "/tmp/tmp.UfEdWGObO9/.infra-agent/workspaces/20261207-082553-88491b/trajectory.jsonl",
                "attempts": [{"step": 1, "playbook": "release-gil-native-calls", "verdict": "better",
                              "decision": "held", "reason": "now passing: engine.kv_transfer.events",
                              "deltas": deltas}]}
@@ -39,6 +40,7 @@ def test_a_narrow_session_summary_keeps_every_delta_whole():
     text = console.export_text()
     assert "…" not in text and "release-gil-native-calls" in text
     assert all(d in text for d in deltas), text
+    assert summary["trajectory"] in text, text  # whole on its line: a path broken in two cannot be pasted back
 
 
 def test_a_curve_of_three_sizes_or_more_gets_a_sparkline_and_a_percentile_does_not(tmp_path):
