@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import tempfile
 import time
 
@@ -699,13 +700,16 @@ def _load_run(ctx: ProbeContext, workers, prompt: list[int], vocab: int, p: dict
 
     Whether reservations are refused depends on the device's speed: the decode worker must still hold its
     slots when the last prefills ask.  Where nothing was refused (a fast GPU drains its slots first), the run
-    is repeated with requests twice as long, up to ``load_max_tokens_cap`` (kept within the decode worker's
-    pages), so that the refusal path, whose leaks close() counts, runs on every device; where even that
-    refuses nothing, an observation says so.  Returns the requests that came back, as (request, output)."""
+    is repeated with longer requests, sized from its own timings (:func:`_tokens_to_hold`), at least twice
+    as long, up to ``load_max_tokens_cap`` (kept within the decode worker's positions and pages), so that the
+    refusal path, whose leaks close() counts, runs on every device; where even that refuses nothing, an
+    observation says so.  Returns the requests that came back, as (request, output)."""
     from target_stack.engine import SamplingParams
 
     k, m = p.get("load_requests", 12), p.get("load_max_tokens", 32)
-    cap = max(m, min(p.get("load_max_tokens_cap", 128), p.get("max_model_len", 256) - len(prompt) - 1))
+    slots = _decode_slots(p)
+    per_seq = p.get("num_pages", 64) // slots * p.get("page_size", 16)  # positions each slot's pages can hold
+    cap = max(m, min(p.get("load_max_tokens_cap", 128), min(p.get("max_model_len", 256), per_seq) - len(prompt) - 1))
     bad = prompt[:2] + [vocab + 3] + prompt[2:]
     served: list = []
     while True:
@@ -733,13 +737,26 @@ def _load_run(ctx: ProbeContext, workers, prompt: list[int], vocab: int, p: dict
         served += ok
         if refused or m >= cap or ctx.failed:
             break
-        m = min(2 * m, cap)
+        m = min(max(2 * m, _tokens_to_hold(res.timings, m, slots)), cap)
     ctx.metric("refused_requests", refused)
     ctx.metric("load_max_tokens", m)
     if not refused and not ctx.failed:
         ctx.finding(f"no reservation was refused even with {k} requests of {m} tokens for {_decode_slots(p)} decode "
                     "slots: the refusal path was not exercised on this device", **where)
     return served
+
+
+def _tokens_to_hold(timings: list, m: int, slots: int) -> int:
+    """From a load run's timings (requests of ``m`` tokens, none refused): the max_tokens with which the
+    first sequence would still be decoding, with a factor of two to spare, when the request past the
+    decode slots starts its prefill and asks for a slot.  0 when the timings cannot tell."""
+    done = [t for t in timings if t is not None and t.done > t.first_token > 0]
+    starts = sorted(t.prefill_start for t in timings if t is not None and t.prefill_start > 0)
+    if not done or len(starts) <= slots:
+        return 0
+    per_token = statistics.median((t.done - t.first_token) / m for t in done)
+    wait = starts[slots] - min(t.first_token for t in done)
+    return math.ceil(2 * wait / per_token) if per_token > 0 and wait > 0 else 0
 
 
 def _decode_slots(p: dict) -> int:

@@ -130,6 +130,21 @@ def test_a_load_run_that_refuses_nothing_is_lengthened_then_said_to_have_missed_
     assert any("refusal path was not exercised" in f.message for f in ctx.findings)
 
 
+def test_the_next_load_run_is_sized_from_the_timings_so_the_first_sequence_still_decodes_when_slots_run_out():
+    from target_stack.engine.disagg.messages import Timing
+    from target_stack.probes.serving import _tokens_to_hold
+
+    # 2 decode slots; prefills start every 100 ms from 1 s; each sequence of 10 tokens decodes in 10 ms (1 ms a token)
+    timings = [Timing(arrival=1.0, prefill_start=1 + 0.1 * i, first_token=1.05 + 0.1 * i, done=1.06 + 0.1 * i)
+               for i in range(4)]
+    # the third prefill starts at 1.2 s, 0.15 s after the first token: 150 tokens would just reach it, 300 hold it
+    assert _tokens_to_hold(timings, 10, 2) == 300
+    timings[1] = None  # a request without a timing of its own takes no slot: the third start is now at 1.3 s
+    assert _tokens_to_hold(timings, 10, 2) == 500
+    assert _tokens_to_hold(timings, 10, 3) == 0  # no request past the slots started: nothing to size against
+    assert _tokens_to_hold([Timing(arrival=0.0)] * 4, 10, 2) == 0  # nothing decoded
+
+
 def test_the_dead_worker_check_flags_a_run_that_waits_out_its_deadline():
     # a client that does not act on a dead worker: run() returns only at its deadline
     import multiprocessing as mp
