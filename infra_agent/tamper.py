@@ -11,9 +11,11 @@ patched text of its Python files) and refuse such a patch with the reason:
   (``--- a/...``) that is protected;
 * in added Python lines: importing the harness (``feedback``, ``infra_agent``, ``playbooks``) or a
   module whose file is protected (a kernel that calls the float64 reference, a probe's helpers);
-  rebinding an attribute of an imported module to a function or another object (``time.perf_counter
-  = ...``, ``setattr(torch.cuda.Event, ...)``: timer patching and monkeypatching; a flag set to a
-  constant is left to the risk rules); introspection that reaches other frames or every live
+  rebinding an attribute of an imported module or of a name ``from M import`` binds, to a function or
+  another object, however the module is reached (``time.perf_counter = ...``, ``setattr(torch.cuda.Event,
+  ...)``, ``sys.modules['time'].perf_counter = ...``, ``importlib.import_module(...).x = ...``,
+  ``vars(time)['perf_counter'] = ...``: timer patching and monkeypatching; a flag set to a constant is
+  left to the risk rules); introspection that reaches other frames or every live
   object (``gc.get_objects``, ``inspect.currentframe``, ``sys._getframe``, ``sys.settrace``, writes to
   ``sys.modules`` or ``builtins``); writing an environment variable the harness sets for probes.
 """
@@ -70,6 +72,25 @@ def dotted(node: ast.AST) -> str:
     return ".".join(reversed(parts))
 
 
+def _namespace(node: ast.AST) -> bool:
+    """Whether ``node`` is a namespace's dictionary: ``X.__dict__`` or ``vars(X)``."""
+    return (isinstance(node, ast.Attribute) and node.attr == "__dict__") or \
+        (isinstance(node, ast.Call) and dotted(node.func) == "vars")
+
+
+def root_name(node: ast.AST) -> str:
+    """The name an expression starts from, through attributes, subscripts and calls: ``sys`` for
+    ``sys.modules['time'].perf_counter``, ``importlib`` for ``importlib.import_module('time').sleep``,
+    ``time`` for ``vars(time)``; '' when it starts from a literal."""
+    while True:
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.args[0] if dotted(node.func) == "vars" and node.args else node.func
+        else:
+            return node.id if isinstance(node, ast.Name) else ""
+
+
 def _module_file(module: str) -> list[str]:
     base = module.replace(".", "/")
     return [f"{base}.py", f"{base}/__init__.py"]
@@ -77,10 +98,14 @@ def _module_file(module: str) -> list[str]:
 
 def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str | None:
     tree = parse(source, rel)
-    modules: set[str] = set()  # names bound to imported modules anywhere in the file
+    # names bound by imports anywhere in the file: modules, and what ``from M import x`` binds (a module, a
+    # class or a function of another module: rebinding its attributes patches that module's objects)
+    modules: set[str] = {"sys", "builtins", "importlib"}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             modules |= {(a.asname or a.name.split(".")[0]) for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            modules |= {(a.asname or a.name) for a in node.names if a.name != "*"}
     text = source.splitlines()
 
     def at(node: ast.AST, why: str) -> str:
@@ -114,23 +139,27 @@ def _python(rel: str, source: str, lines: set[int], manifest: Manifest) -> str |
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else \
             node.targets if isinstance(node, ast.Delete) else []
         for t in targets:
-            root = dotted(t.value if isinstance(t, ast.Subscript) else t).split(".")[0]
+            root = root_name(t)
             value = getattr(node, "value", None)
             callable_value = isinstance(value, (ast.Lambda, ast.Name, ast.Attribute, ast.Call)) or value is None
-            if isinstance(t, ast.Attribute) and root in modules and callable_value:  # a flag set to a constant
-                return at(node, f"rebinds {dotted(t)}, an attribute of an imported module (monkeypatching)")
+            if root in ("builtins", "__builtins__"):
+                return at(node, "rebinds a builtin")
             if isinstance(t, ast.Subscript) and dotted(t.value) in ("sys.modules", "os.environ"):
                 key = t.slice.value if isinstance(t.slice, ast.Constant) else None
                 if dotted(t.value) == "sys.modules" or not isinstance(key, str) or key.startswith(HARNESS_ENV):
                     return at(node, f"writes {dotted(t.value)}[{key!r}]")
-            if root == "builtins" or dotted(t) == "__builtins__":
-                return at(node, "rebinds a builtin")
+            if isinstance(t, ast.Attribute) and root in modules and callable_value:  # a flag set to a constant
+                return at(node, f"rebinds {ast.unparse(t)}, an attribute of an imported module or object "
+                                "(monkeypatching)")
+            if isinstance(t, ast.Subscript) and root in modules and _namespace(t.value):
+                return at(node, f"writes {ast.unparse(t)}, into an imported module's namespace (monkeypatching)")
         if isinstance(node, ast.Call):
             name = dotted(node.func)
             if name in INTROSPECTION:
                 return at(node, f"calls {name} (introspection that reaches the harness's objects or frames)")
-            if name == "setattr" and node.args and dotted(node.args[0]).split(".")[0] in modules:
-                return at(node, f"setattr on {dotted(node.args[0])}, an imported module (monkeypatching)")
+            if name in ("setattr", "delattr") and node.args and root_name(node.args[0]) in modules:
+                return at(node, f"{name} on {ast.unparse(node.args[0])}, an imported module or object "
+                                "(monkeypatching)")
             if name in ("os.putenv", "os.unsetenv", "os.environ.update", "os.environ.setdefault", "os.environ.pop"):
                 key = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
                 if not isinstance(key, str) or key.startswith(HARNESS_ENV):

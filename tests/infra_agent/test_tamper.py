@@ -36,6 +36,19 @@ HOSTILE = {
                                    "os.environ['INFRA_AGENT_EMULATE_DOT']"),
     "replaces a module": (add_after_anchor("import sys\nsys.modules['target_stack.ops.kda.naive'] = None\n"),
                           "sys.modules"),
+    "timer patched through sys.modules": (
+        add_after_anchor("import sys\nsys.modules['time'].perf_counter = lambda: 0.0\n"),
+        "rebinds sys.modules['time'].perf_counter"),
+    "timer patched through importlib": (
+        add_after_anchor("import importlib\nimportlib.import_module('time').perf_counter = lambda: 0.0\n"),
+        "rebinds importlib.import_module('time').perf_counter"),
+    "a from-imported module patched": (add_after_anchor("from torch import cuda as _cuda\n_cuda.synchronize = print\n"),
+                                       "rebinds _cuda.synchronize"),
+    "a module's namespace written": (add_after_anchor("import time\nvars(time)['perf_counter'] = lambda: 0.0\n"),
+                                     "into an imported module's namespace"),
+    "setattr through sys.modules": (
+        add_after_anchor("import sys\nsetattr(sys.modules['time'], 'perf_counter', lambda: 0.0)\n"),
+        "setattr on sys.modules['time']"),
     "conftest.py": ({"target_stack/conftest.py": lambda src: "import pytest\n"}, "loads by itself"),
     "sitecustomize.py": ({"sitecustomize.py": lambda src: "import os\n"}, "loads by itself"),
     "a .pth file": ({"target_stack/hook.pth": lambda src: "import os\n"}, "loads by itself"),
@@ -70,6 +83,7 @@ def test_renames_mode_changes_and_symlinks_are_refused(tmp_path):
     "import math\n_RSQRT2 = 1 / math.sqrt(2.0)\n",
     "import torch\ntorch.backends.cuda.matmul.allow_tf32 = False\n",  # a flag: the risk rules hold it
     "_state = {}\n_state['calls'] = 0\n",
+    "from math import sqrt\n_cfg = type('Cfg', (), {})()\n_cfg.scale = sqrt(2.0)\n",  # a local object's attribute
 ])
 def test_ordinary_edits_of_the_same_file_are_not_refused(tmp_path, text):
     diff, root = bundled_diff(tmp_path, add_after_anchor(text))
