@@ -105,9 +105,14 @@ class LaunchCount:
         self._launchers = list(launchers)
         self.ops: Counter[tuple[str, str, Site]] = Counter()  # (aten op, kind, site)
         self.triton: Counter[tuple[str, Site]] = Counter()  # (kernel, site)
+        # (site, entry): launches of a site reached through a call from another file of the code under study
+        # (its *entry*: a helper's launches, seen from the function that called it), and the entry's lines
+        self.entries: Counter[tuple[Site, Site]] = Counter()
+        self.entry_lines: dict[tuple[Site, Site], set[int]] = {}
         self._paused = 0
         self._saved: list[tuple[object, str, object]] = []
         self._mode = None
+        self._outer = None
         self._files: dict[str, str | None] = {}
 
     # --- results ------------------------------------------------------------------------------
@@ -143,6 +148,14 @@ class LaunchCount:
             sites.setdefault(site, Counter())["triton"] += n
         return {s: dict(c) for s, c in sorted(sites.items(), key=lambda kv: (-sum(kv[1].values()), str(kv[0])))}
 
+    def by_entry(self) -> dict[Site, dict[Site, int]]:
+        """Per site, the launches it issued per entry: the innermost caller in another file of the code under
+        study (a site called only from its own file, or from outside, has none)."""
+        out: dict[Site, dict[Site, int]] = {}
+        for (site, entry), n in sorted(self.entries.items(), key=lambda kv: (-kv[1], str(kv[0][1]))):
+            out.setdefault(site, {})[entry] = n
+        return out
+
     def syncs(self) -> list[tuple[str, Site, int]]:
         """(op or method, site, count) of every host sync."""
         return [(name, site, n) for (name, kind, site), n in self.ops.items() if kind == "host_sync"]
@@ -150,14 +163,21 @@ class LaunchCount:
     # --- attribution ----------------------------------------------------------------------------
 
     def site(self) -> Site:
-        """The innermost frame on the stack whose file is within the code under study (never this module's)."""
-        f = sys._getframe(1)
-        while f is not None:
+        """The innermost frame on the stack whose file is within the code under study (never this module's);
+        its entry (the innermost caller in another file of the code under study, below the frame that entered
+        the count) is counted with it."""
+        f, site = sys._getframe(1), UNKNOWN
+        while f is not None and f is not self._outer:
             rel = self._file(f.f_code.co_filename)
-            if rel is not None:
-                return Site(rel, getattr(f.f_code, "co_qualname", f.f_code.co_name))
+            if rel is not None and site is UNKNOWN:
+                site = Site(rel, getattr(f.f_code, "co_qualname", f.f_code.co_name))
+            elif rel is not None and rel != site.file:
+                entry = Site(rel, getattr(f.f_code, "co_qualname", f.f_code.co_name))
+                self.entries[site, entry] += 1
+                self.entry_lines.setdefault((site, entry), set()).add(f.f_lineno)
+                break
             f = f.f_back
-        return UNKNOWN
+        return site
 
     def _file(self, name: str) -> str | None:
         """``name`` relative to the root if it is a site's file, else None (cached per file name)."""
@@ -177,6 +197,7 @@ class LaunchCount:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         lc = self
+        self._outer = sys._getframe(1)  # the code that counts: no entry at or above it
         # the dispatch mode is the entering thread's; the launch and tensor-method wrappers are global, so they
         # count that thread only (a server's other threads are not the code under count)
         thread = threading.get_ident()
@@ -265,7 +286,9 @@ def report(ctx, lc: LaunchCount, per: float = 1.0, unit: str = "step", prefix: s
     ``launches``, ``aten_ops``, ``matmuls``, ``conversions``, ``triton_launches``, ``host_syncs`` over
     everything; ``<site>.launches`` per site as a part, shown with its move and not judged (launches moved from
     one function to another are no regression), and one finding per site with its counts, bound to the site's
-    file and function: where a total regressed, the functions whose own launches grew localise it.
+    file and function: where a total regressed, the functions whose own launches grew localise it.  A site
+    reached from another file of the code under study has a part per entry too, ``<entry>><function>.launches``
+    with a finding bound to the entry's file: a caller that newly reaches a helper that launches localises there.
     ``top``: only the sites with most launches get a metric and a finding (the totals cover the rest)."""
     per = float(per)
     if per <= 0:
@@ -275,10 +298,21 @@ def report(ctx, lc: LaunchCount, per: float = 1.0, unit: str = "step", prefix: s
               "conversions": kinds["conversion"], "triton_launches": kinds["triton"], "host_syncs": kinds["host_sync"]}
     for name, n in totals.items():
         ctx.metric(f"{prefix}{name}", n / per, unit=f"/{unit}", better="lower", counted=True)
-    sites = list(lc.by_site().items())
+    sites, entries = list(lc.by_site().items()), lc.by_entry()
     for site, counts in sites[:top] if top else sites:
         n = sum(counts.values())
         ctx.metric(f"{prefix}{site}.launches", n / per, unit=f"/{unit}", counted=True)  # a part: shown, not judged
         text = ", ".join(f"{counts[k] / per:.4g} {k}" for k in KINDS if counts.get(k))
         where = {"file": site.file, "symbol": site.function} if site != UNKNOWN else {}
-        ctx.finding(f"{site}: {n / per:.4g} launches per {unit} ({text})", **where)
+        where["part"] = f"{prefix}{site}"
+        callers = entries.get(site, {})
+        via = "; entered from " + ", ".join(f"{e} (line {', '.join(map(str, sorted(lc.entry_lines[site, e])))}: "
+                                              f"{m / per:.4g})" for e, m in callers.items()) if callers else ""
+        ctx.finding(f"{site}: {n / per:.4g} launches per {unit} ({text}){via}", **where)
+        # each entry as a part of its own, bound to the caller's file: a function that newly calls a helper
+        # which launches (a cache it now bypasses, a conversion it now asks for) shows at the caller
+        for entry, m in callers.items():
+            ctx.metric(f"{prefix}{entry}>{site.function}.launches", m / per, unit=f"/{unit}", counted=True)
+            ctx.finding(f"{entry} calls {site} (line {', '.join(map(str, sorted(lc.entry_lines[site, entry])))}): "
+                        f"{m / per:.4g} launches per {unit} there", file=entry.file, symbol=entry.function,
+                        part=f"{prefix}{entry}>{site.function}")

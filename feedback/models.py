@@ -62,6 +62,9 @@ class Location(_Model):
     kernel: str | None = None
     param: str | None = None
     condition: str | None = None
+    # the counted part the finding states: the stem of its metrics' names (``<part>.<count>``), where one report
+    # counts several calls of one kernel (``tokens.`` before the second call's) or a function from several callers
+    part: str | None = None
 
     def render(self) -> str:
         """``cover file:line symbol; param ...; input ...``: a condition that is a source line (``line 16``, or

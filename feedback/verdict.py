@@ -222,16 +222,28 @@ def grown_parts(result: ProbeResult, deltas: list[MetricDelta], most: int = 6) -
     for d in deltas:
         if d.note != COUNT_MORE:
             continue
-        where = next((f.location.render() for f in result.findings if any(
-            f".{n}." in f".{d.name}." for n in part_names(f.location))), "")
+        where = max(((_states(f.location, d.name), -i, f.location.render()) for i, f in enumerate(result.findings)),
+                    default=(0, 0, ""))
+        where = where[2] if where[0] else ""
         before = "none" if d.baseline is None else f"{d.baseline:.4g}"
         lines.append(f"probe `{result.probe}` does more counted work in a part: {d.name} {before} -> "
                      f"{d.candidate:.4g}{d.unit and ' ' + d.unit}" + (f"; {where}" if where else ""))
     return lines[:most]
 
 
+def _states(location, metric: str) -> int:
+    """How surely a finding at ``location`` states the counted part of ``metric``: 2 when the location names the
+    part exactly (``Location.part``, the metric's stem), 1 by its kernel or ``file:function`` within the name, 0 not."""
+    if location.part and metric.startswith(location.part + "."):
+        return 2
+    return int(any(f".{n}." in f".{metric}." for n in part_names(location)))
+
+
 def part_names(location) -> list[str]:
-    """The names a counted part's metrics carry for a finding's location: its kernel, its ``file:function``."""
+    """The names a counted part's metrics carry for a finding's location: its part (``Location.part``) where it
+    names one, else its kernel and its ``file:function``."""
+    if getattr(location, "part", None):
+        return [location.part]
     names = [location.kernel] if location.kernel else []
     if location.file and location.symbol:
         names.append(f"{location.file}:{location.symbol}")

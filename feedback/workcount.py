@@ -236,7 +236,7 @@ def report(ctx, wc: WorkCount, per: float, unit: str, kernel_location=None, pref
         grids = sorted({launch.grid for launch in wc.launches if launch.kernel == kernel})
         text = ", ".join([f"{loaded:.4g} B loaded", f"{stored:.4g} B stored"]
                          + [f"{n / per:.4g} {kind}" for kind, n in ops.items()])
-        where = dict(kernel_location(kernel) if kernel_location else {}, kernel=kernel)
+        where = dict(kernel_location(kernel) if kernel_location else {}, kernel=kernel, part=f"{prefix}{kernel}")
         ctx.finding(f"per {unit}: {text}; {launches[kernel]} launch(es), grid {', '.join(map(str, grids))}", **where)
     ctx.metric(f"{prefix}launches", len(wc.launches), better="lower", counted=True)
     ctx.metric(f"{prefix}loaded_bytes", sum(wc.kernel_loaded.values()) / per, unit=f"B/{unit}", better="lower",

@@ -322,19 +322,20 @@ def _step_flags(c: dict) -> dict:
                 use_gate_in_kernel=bool(c.get("gate_in_kernel")))
 
 
-def _step_inputs(c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator, dtype=torch.float32):
-    """One decode step's inputs ``(q, k, v, g, beta, A_log, dt_bias)`` and the call's flags (``_step_flags``);
-    A_log and dt_bias are None without the in-kernel gate."""
+def _step_inputs(c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator, dtype=torch.float32, T: int = 1):
+    """One decode step's inputs ``(q, k, v, g, beta, A_log, dt_bias)`` (``T`` tokens per sequence: a multi-token
+    call, as a speculative verify makes) and the call's flags (``_step_flags``); A_log and dt_bias are None
+    without the in-kernel gate."""
     dev = gen.device
-    q, k, v, g, beta = make_inputs(N, 1, H, K, V, generator=gen, device=dev)
+    q, k, v, g, beta = make_inputs(N, T, H, K, V, generator=gen, device=dev)
     flags = _step_flags(c)
     if flags["use_qk_l2norm_in_kernel"]:
-        q, k = (3 * torch.randn(N, 1, H, K, generator=gen, device=dev) for _ in range(2))
+        q, k = (3 * torch.randn(N, T, H, K, generator=gen, device=dev) for _ in range(2))
     if flags["use_beta_sigmoid_in_kernel"]:
-        beta = 3 * torch.randn(N, 1, H, generator=gen, device=dev)
+        beta = 3 * torch.randn(N, T, H, generator=gen, device=dev)
     a_log = dt_bias = None
     if flags["use_gate_in_kernel"]:
-        g, a_log, dt_bias = raw_gate(N, 1, H, K, gen)
+        g, a_log, dt_bias = raw_gate(N, T, H, K, gen)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     return (q, k, v, g, beta, a_log, dt_bias), flags
 
@@ -413,6 +414,34 @@ def decode_work(ctx: ProbeContext) -> None:
     if wc.reads("state") > 1 or wc.writes("state") > 1:
         ctx.finding(f"the state is read {wc.reads('state'):.2f}x and written {wc.writes('state'):.2f}x per step "
                     "(once each is the minimum)", param=f"grid {grids}", **kernel)
+    if int(c.get("tokens", 0)) > 1:
+        _token_loop_work(ctx, c, N, H, K, V, gen)
+
+
+def _token_loop_work(ctx: ProbeContext, c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator) -> None:
+    """The same kernel over ``tokens`` tokens per sequence in one call (a speculative verify, a short tail):
+    work per token, prefixed ``tokens.``.  What a kernel does once per call but is moved into its token loop
+    (a per-head constant, a bias row, a special function) is invisible in a one-token step and shows here,
+    growing with the tokens; the call's outputs and states are checked against float64 too."""
+    from feedback.workcount import WorkCount, report
+
+    T = int(c["tokens"])
+    x, flags = _step_inputs(dict(c, l2norm=c.get("l2norm", True)), N, H, K, V, gen, T=T)
+    q, k, v, g, beta = x[:5]
+    pool = torch.randn(N + 1, H, K, V, generator=gen, device=ctx.device)
+    pool[0] = float("nan")  # the null slot: never read
+    slots = torch.arange(1, N + 1, dtype=torch.int32, device=ctx.device)
+    before = pool[1:].clone()
+    with WorkCount(q=q, k=k, v=v, g=g, beta=beta, state=pool[1:]) as wc:
+        o, _ = _step_call(x, flags, pool, slots)
+    ro, rs = _step_ref(x, flags, before)
+    err = max(rel_err(o, ro), rel_err(pool[1:], rs))
+    cond = f"one pooled call of {T} tokens per sequence, N={N}, H={H}, K={K}, V={V}, {_step_condition(flags)}"
+    ctx.metric("tokens.max_rel_err", finite(err), better="lower")
+    ctx.check(err < float(c.get("tolerance", 1e-5)), f"a call of {T} tokens per sequence is wrong (rel. error "
+              f"{err:.1e})", file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=cond)
+    report(ctx, wc, per=N * T * H, unit="token-head", prefix="tokens.",
+           kernel_location=lambda name: dict(file=RECURRENT, condition=cond))
 
 
 @probe(kind="trace")

@@ -136,3 +136,73 @@ def test_report_gives_counted_metrics_per_step_and_findings_bound_to_each_functi
     assert m["mystack/model.py:step.launches"][0] == 2.0 and "mystack/model.py:helper.launches" not in m
     assert [f[1:] for f in got["findings"]] == [["mystack/model.py", "syncs"], ["mystack/model.py", "step"]]
     assert "1 conversion" in got["findings"][1][0] and "0.5 triton" in got["findings"][1][0]
+
+
+OPS = '''
+def double(y):
+    return y * 2 + 1
+'''
+
+LAYER = '''
+from mystack import ops
+
+
+def _tail(y):
+    return ops.double(y)  # reached from forward: the entry is the innermost caller in another file, _tail
+
+
+def forward(x):
+    a = ops.double(x)
+    return _tail(a) + 0
+'''
+
+ENTRIES = '''
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from feedback.launchcount import LaunchCount, report
+from feedback.probe import ProbeContext
+from mystack import layer, ops
+
+x = torch.randn(4)
+with LaunchCount(sys.argv[1], within=["mystack/"]) as lc:
+    layer.forward(x)
+    ops.double(x)  # called by the code that counts (here, in no file of the stack): no entry
+ctx = ProbeContext("p", {}, sys.argv[1])
+report(ctx, lc, per=1, unit="step")
+print(json.dumps({
+    "sites": {str(s): c for s, c in lc.by_site().items()},
+    "entries": {str(s): {str(e): n for e, n in es.items()} for s, es in lc.by_entry().items()},
+    "lines": {f"{s}<{e}": sorted(v) for (s, e), v in lc.entry_lines.items()},
+    "metrics": {k: m.value for k, m in ctx.metrics.items()},
+    "findings": [[f.message, f.location.file, f.location.symbol, f.location.part] for f in ctx.findings],
+}))
+'''
+
+
+def test_a_helper_s_launches_are_also_counted_at_the_function_of_another_file_that_called_it(tmp_path):
+    """A function that newly reaches a helper which launches (a cache it now bypasses) shows at the caller:
+    each site's launches per entry (the innermost caller in another file of the stack), with its call lines."""
+    pkg = tmp_path / "mystack"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops.py").write_text(OPS)
+    (pkg / "layer.py").write_text(LAYER)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", ENTRIES, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["sites"] == {"mystack/ops.py:double": {"other": 6}, "mystack/layer.py:forward": {"other": 1}}
+    # 2 ops of each call through layer.py; the third call came from the counting code itself
+    assert got["entries"] == {"mystack/ops.py:double": {"mystack/layer.py:_tail": 2, "mystack/layer.py:forward": 2}}
+    assert got["lines"] == {"mystack/ops.py:double<mystack/layer.py:forward": [10],
+                            "mystack/ops.py:double<mystack/layer.py:_tail": [6]}
+    m = got["metrics"]
+    assert m["mystack/ops.py:double.launches"] == 6 and m["mystack/layer.py:forward>double.launches"] == 2
+    bound = {f[3]: f[:3] for f in got["findings"]}  # by the part each finding states
+    message, file, symbol = bound["mystack/ops.py:double"]
+    assert "entered from mystack/layer.py:_tail (line 6: 2), mystack/layer.py:forward (line 10: 2)" in message
+    message, file, symbol = bound["mystack/layer.py:forward>double"]
+    assert (file, symbol) == ("mystack/layer.py", "forward")
+    assert message.startswith("mystack/layer.py:forward calls mystack/ops.py:double (line 10): 2 launches")

@@ -208,6 +208,19 @@ def test_work_moved_between_parts_is_no_regression_and_a_grown_total_is_localise
     (line,) = r.comparisons[0].localisation
     assert "k3.loaded_bytes none -> 300" in line and "ops/k3.py" in line, line
 
+    # one kernel counted in two calls (the second's metrics prefixed): the grown part is bound to the finding
+    # of the call that grew, the one naming that part exactly, not to the first finding of the same kernel
+    two = [result("c", **{"loaded_bytes": counted(1000.0), "k1.loaded_bytes": part(500.0),
+                          "tokens.loaded_bytes": counted(900.0), "tokens.k1.loaded_bytes": part(900.0)})]
+    more = result("c", **{"loaded_bytes": counted(1000.0), "k1.loaded_bytes": part(500.0),
+                          "tokens.loaded_bytes": counted(950.0), "tokens.k1.loaded_bytes": part(950.0)})
+    more.findings = [Finding(message="per head", location=Location(file="ops/k1.py", kernel="k1", part="k1",
+                                                                   condition="one step")),
+                     Finding(message="per token", location=Location(file="ops/k1.py", kernel="k1", part="tokens.k1",
+                                                                    condition="3 tokens a call"))]
+    (line,) = report([more], two).comparisons[0].localisation
+    assert "tokens.k1.loaded_bytes 900 -> 950" in line and "input 3 tokens a call" in line, line
+
 
 def test_replay_holds_counted_work_to_the_record_under_the_same_triton():
     def at(r: ProbeResult, triton: str) -> ProbeResult:

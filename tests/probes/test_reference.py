@@ -228,3 +228,18 @@ def test_a_check_that_crashes_beside_others_is_located_and_the_others_complete(t
         assert "crashed the process (SIGSEGV)" in messages[1] and ctx.findings[1].location.condition == "case=1"
     finally:
         slots.close()
+
+
+def test_an_output_of_the_wrong_shape_fails_at_the_code_under_test_not_in_the_comparison(tmp_path):
+    from feedback.probe import ProbeContext
+
+    ctx = ProbeContext("p", {}, str(tmp_path))
+    chk = ref.Checker(ctx, 1e-4)
+    want = torch.randn(2, 3, 37, dtype=torch.float64)
+    err = chk.compare(want[..., :36].float(), want, "logits of rank 0", file="target_stack/engine/tp.py",
+                      symbol="TPModel.forward", condition="2 ranks, vocab 37")
+    assert err == math.inf and chk.worst == math.inf and ctx.failed
+    [finding] = ctx.findings
+    assert finding.location.file == "target_stack/engine/tp.py" and finding.location.condition == "2 ranks, vocab 37"
+    assert "(2, 3, 36)" in finding.message and "(2, 3, 37)" in finding.message
+    assert chk.compare(want.float(), want, "the same, right") < 1e-6  # a right one after it still compares
