@@ -4,6 +4,7 @@ disaggregated KV-transfer path seen through its events, and an end-to-end servin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -459,6 +460,176 @@ def prefix_reuse(ctx: ProbeContext) -> None:
     ctx.metric("leaked_pages", leaked, better="lower")
     ctx.check(not leaked, f"pages or references left after clearing the cache: {problems}",
               file=PREFIX, symbol="PrefixCache")
+    _check_mixed_traffic(ctx, model, gen, ps, int(p.get("ring", 64)))  # ~0.2 s on CPU (18 short requests)
+    _check_prefix_bench(ctx, gen)  # ~0.15 s on CPU (the benchmark's own code, 2 conversations x 3 turns)
+
+
+def _near_tie(model: HybridModel, prompt: list[int], image: torch.Tensor | None, tokens: list[int], i: int,
+              a: int, b: int, tol: float) -> bool:
+    """Whether tokens ``a`` and ``b`` are within ``tol`` (relative to the largest logit) of each other in a full
+    recompute of ``prompt + tokens[:i]`` (``image``: the prompt's image embeddings [patches, dim]): a greedy
+    choice that rounding may flip, not a different answer."""
+    x = torch.tensor([prompt + tokens[:i]], device=model.embed.device)
+    logits = model(x, prefix=None if image is None else image[None])[0, -1].float()
+    return bool((logits[a] - logits[b]).abs() <= tol * logits.abs().max())
+
+
+def _cached_prefix_of(q: list[int], tokens: list[int], ps: int, ring: int) -> bool:
+    """Whether ``tokens`` must hit a cache that holds the prompt ``q``: q's last full page boundary is within
+    its ring (KDA states rebuildable there), starts ``tokens`` and leaves at least one token to prefill."""
+    full = len(q) // ps * ps
+    return ps <= full < len(tokens) and full >= len(q) - ring and tokens[:full] == q[:full]
+
+
+def _check_mixed_traffic(ctx: ProbeContext, model: HybridModel, gen: torch.Generator, ps: int, ring: int) -> None:
+    """The prefix cache never changes an answer: a realistic sequence of requests, one at a time, on an engine with
+    the cache gives the greedy tokens of the same engine without it.  Image prompts and text-only prompts share
+    token prefixes in both orders (image first, then the same tokens as text and a text extension of them; text
+    first, then the same tokens with an image, then a text extension), and a conversation resends its history
+    (shared-prefix text turns, which must hit).  A difference on a text-only request whose tokens an image prompt
+    sent before is bound to the engine (what it enters in the cache); on an image prompt, to the scheduler when it
+    matched the cache (image positions are not tokens), else to the engine; on text alone, to the cache.  A first
+    difference where a full recompute puts the two tokens within ``mixed_tie_tol`` is a near tie, not a failure."""
+    from target_stack.model.image import load_image
+
+    n, tol = int(ctx.params.get("mixed_max_tokens", 3)), float(ctx.params.get("mixed_tie_tol", 1e-3))
+    vocab, patch = model.cfg.vocab, model.cfg.patch
+    draw = lambda k: torch.randint(0, vocab, (k,), generator=gen).tolist()  # noqa: E731
+    image = lambda: torch.rand(3, 2 * patch, 2 * patch, generator=gen)  # noqa: E731
+    cached = LLMEngine(model, device=ctx.device, page_size=ps, prefix_cache=True, prefix_ring=ring)
+    plain = LLMEngine(model, device=ctx.device, page_size=ps)
+    a, b, c = draw(2 * ps + 5), draw(2 * ps + 3), draw(ps + 7)
+    img_a, img_b = image(), image()
+    # (tokens, image, what); None tokens: the conversation's next turn, built from the uncached engine's answer
+    steps = [(a, img_a, "an image prompt whose tokens were not sent before"),
+             (a, None, "text-only, the tokens of the image prompt sent before it"),
+             (a + draw(ps), None, "text-only, the tokens of an earlier image prompt extended by a page"),
+             (b, None, "text-only, new tokens"),
+             (b, img_b, "an image prompt with the tokens of a text-only prompt sent before it"),
+             (b + draw(3), None, "text-only, extending a text-only prompt later resent with an image"),
+             (c, None, "a conversation's first turn (text-only)"),
+             (None, None, "a conversation's second turn, its history resent (text-only)"),
+             (None, None, "a conversation's third turn, its history resent (text-only)")]
+    sent_text: list[list[int]] = []
+    sent_image: list[tuple[list[int], bool]] = []  # (tokens, whether the request grew the cache)
+    last, mismatches, ties = None, 0, 0
+    for k, (tokens, img, what) in enumerate(steps):
+        if tokens is None:
+            tokens = last[0] + last[1] + draw(5)
+        stats = dict(cached.prefix.stats)
+        params = SamplingParams(max_tokens=n)
+        out = cached.generate([tokens], params, images=[img])[0]
+        ref = plain.generate([tokens], params, images=[img])[0]
+        last = (tokens, ref.tokens)
+        hit = cached.prefix.stats["hits"] > stats["hits"]
+        grew = cached.prefix.stats["inserted"] > stats["inserted"]
+        cond = f"request {k + 1} of {len(steps)} in a mixed sequence: {what}; {len(tokens)} tokens " \
+               f"({_page_relation(len(tokens), ps)}){', with an image' if img is not None else ''}"
+        if img is None and any(_cached_prefix_of(q, tokens, ps, ring) for q in sent_text):
+            ctx.check(hit, "a text-only prompt whose page-aligned prefix was sent before as text did not reuse it",
+                      file=PREFIX, symbol="PrefixCache.match", condition=cond)
+        (sent_text if img is None else sent_image).append(tokens if img is None else (tokens, grew))
+        if (out.tokens, out.finish_reason) == (ref.tokens, ref.finish_reason):
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(out.tokens, ref.tokens)) if x != y), None)
+        if i is not None:
+            emb = None if img is None else model.image_encoder(
+                load_image(img, patch, model.cfg.max_image_side).to(model.embed.device, model.embed.dtype))
+            if _near_tie(model, tokens, emb, ref.tokens, i, ref.tokens[i], out.tokens[i], tol):
+                ties += 1
+                continue
+        mismatches += 1
+        msg = (f"{out.tokens} ({out.finish_reason}) with the prefix cache, {ref.tokens} ({ref.finish_reason}) "
+               f"without{' (a prefix hit)' if hit else ''}")
+        by_image = [g for q, g in sent_image if q[:ps] == tokens[:ps]]  # (text-only requests)
+        if img is not None:
+            where = (dict(file=SCHEDULER, symbol="Scheduler.schedule (prefix match)") if hit
+                     else dict(file=ENGINE, symbol="LLMEngine.step (prefix cache)"))
+        elif by_image:
+            where = dict(file=ENGINE, symbol="LLMEngine.step (what enters the prefix cache)")
+            msg += "; an image prompt with the same leading tokens came before" + \
+                (" and entered the prefix cache" if any(by_image) else "")
+        else:
+            where = dict(file=PREFIX, symbol="PrefixCache.insert / match")
+        ctx.fail(f"the prefix cache changed an answer: {msg}", condition=cond, **where)
+    ctx.metric("mixed_mismatches", mismatches, better="lower")
+    ctx.metric("mixed_near_ties", ties)
+    problems = cached.leaks()
+    cached.clear_prefix_cache()
+    ctx.check(not any(problems.values()) and not cached.usage()["pages_used"],
+              f"pages or references left after the mixed sequence and clearing the cache: {problems}, "
+              f"{cached.usage()['pages_used']} pages in use", file=PREFIX, symbol="PrefixCache",
+              condition="image and text-only prompts sharing tokens")
+
+
+def _check_prefix_bench(ctx: ProbeContext, gen: torch.Generator) -> None:
+    """The prefix benchmark's per-turn figures (``target_stack.bench.prefix.run``, its own code, the tiny preset on
+    the CPU, a fresh seed) agree with an independent accounting of the same run, read from the engines' own
+    ``prefill.start`` events (each prefill's prompt positions and reused positions): per turn, the reused share is
+    the turn's reused positions over its prompt positions (so in [0, 1]) and the prompt p50 is its prompts'
+    median; the turns' reused positions sum to the cached engine's total reuse counter (``prefix_stats``)."""
+    import io
+    import json
+    import pathlib
+
+    from rich.console import Console
+
+    from target_stack.bench import prefix as bench_prefix
+    from target_stack.events import EVENTS_VAR
+
+    bench = "target_stack/bench/prefix.py"
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    spec = f"{ctx.params.get('bench', 'conversations=2,turns=3,first=24-40,user=4-12,output=2')},seed={seed}"
+    conv = bench_prefix.Conversations.parse(spec)
+    paths = []
+    for suffix in (".jsonl", ".json"):
+        fd, path = tempfile.mkstemp(suffix=suffix)
+        os.close(fd)
+        paths.append(path)
+    events_path, out_path = paths
+    saved = os.environ.get(EVENTS_VAR)
+    os.environ[EVENTS_VAR] = events_path
+    try:
+        rc = bench_prefix.run("tiny", spec, pathlib.Path(out_path), Console(file=io.StringIO()), device="cpu")
+        result = json.loads(pathlib.Path(out_path).read_text())
+        prefills = [e for e in load_events(events_path) if e.get("event") == "prefill.start"]
+    finally:
+        if saved is None:
+            os.environ.pop(EVENTS_VAR, None)
+        else:
+            os.environ[EVENTS_VAR] = saved
+        for path in paths:
+            os.unlink(path)
+    where = dict(file=bench, symbol="run", condition=f"the prefix benchmark on {spec}, tiny preset, CPU")
+    ctx.check(rc == 0, f"the prefix benchmark reported leaks: {result.get('leaks')}, "
+              f"{result.get('pages_used_after_clear')} pages in use after clearing", **where)
+    rows, per = result.get("turns", []), 2 * conv.conversations  # each turn: every conversation on both engines
+    if not ctx.check(len(rows) == conv.turns and len(prefills) >= conv.turns * per,
+                     f"{len(rows)} turns reported and {len(prefills)} prefills run for {conv.turns} turns of "
+                     f"{conv.conversations} conversations on two engines", **where):
+        return
+    turns = [prefills[len(prefills) - (conv.turns - t) * per:][:per] for t in range(conv.turns)]
+    total_reused = 0
+    for t, (row, evs) in enumerate(zip(rows, turns, strict=True)):
+        positions = sum(e["tokens"] for e in evs) / 2  # both engines take the same prompts
+        reused = sum(e.get("reused", 0) for e in evs)  # the uncached engine reuses nothing
+        total_reused += reused
+        cond = dict(where, condition=f"turn {t + 1} of {conv.turns} ({conv.conversations} conversations, "
+                    f"{positions:.0f} prompt positions, {reused} reused by the prefills), {spec}")
+        share = row["reused_share"]
+        ctx.check(0.0 <= share <= 1.0 and abs(share - reused / positions) <= 1e-9,
+                  f"turn {row['turn']} reports a reused share of {share:.4f}; its prefills reused {reused} of "
+                  f"{positions:.0f} prompt positions ({reused / positions:.4f})", **cond)
+        p50 = statistics.median(e["tokens"] for e in evs)
+        ctx.check(row["prompt_p50"] == p50, f"turn {row['turn']} reports a prompt p50 of {row['prompt_p50']}; "
+                  f"its prompts' median is {p50}", **cond)
+    counter, everything = result.get("prefix_stats", {}).get("reused_tokens"), sum(e.get("reused", 0) for e in prefills)
+    ctx.check(counter == everything, f"the run's prefills reused {everything} positions in all; the cached "
+              f"engine's counter says {counter}", **where)
+    reported = sum(r["reused_share"] * sum(e["tokens"] for e in evs) / 2 for r, evs in zip(rows, turns, strict=True))
+    ctx.check(abs(reported - total_reused) <= 1e-6 * max(1, total_reused),
+              f"the reported per-turn reuse sums to {reported:.1f} positions, the engine reused {total_reused}",
+              **where)
 
 
 def _page_relation(m: int, ps: int) -> str:
@@ -667,15 +838,178 @@ def kv_transfer_events(ctx: ProbeContext) -> None:
 
 
 TAIL_SAMPLES = 100  # the samples a p99 needs to be more than the largest value seen
+SERVE = "target_stack/bench/serve.py"
+
+
+def _nearest_rank(xs: list[float], q: float) -> float:
+    """The percentile the serving benchmark reports (``bench/serve.py``'s ``_pct``; its docstring documents none):
+    the sorted sample nearest the linear position q·(n−1), a half rounded up; NaN for no sample.  Written here
+    from that definition: the index at the smallest distance to the position, the larger of two at equal ones."""
+    if not xs:
+        return float("nan")
+    pos, ordered = q * (len(xs) - 1), sorted(xs)
+    return ordered[min(range(len(xs)), key=lambda i: (abs(i - pos), -i))]
+
+
+def _pct_ties(n: int, q: float) -> bool:
+    """Whether q·(n−1) is within rounding of a half for a q other than 0.5 (either neighbour is then right)."""
+    frac = (q * (n - 1)) % 1.0
+    return q != 0.5 and abs(frac - 0.5) < 1e-9
+
+
+def _check_serve_statistics(ctx: ProbeContext, gen: torch.Generator) -> None:
+    """The serving benchmark's statistics against an independent computation on fresh samples (microseconds):
+    ``_pct`` for every sample count 1..``pct_counts`` and a few longer runs (odd and even counts, p99 of short runs,
+    shuffled), q in ``pct_qs``, against ``_nearest_rank``; ``_latency_stats`` (TTFT and TPOT p50/p99 in ms, output
+    throughput = tokens / makespan, the request count) against the same definitions with ``statistics``."""
+    from target_stack.bench import serve as bench_serve
+
+    p = ctx.params
+    qs = [float(q) for q in p.get("pct_qs", [0.5, 0.9, 0.99])]
+    counts = list(range(1, int(p.get("pct_counts", 40)) + 1)) + [int(n) for n in p.get("pct_long", [64, 99, 100, 101])]
+    bad = 0
+    for n in counts:
+        xs = (torch.rand(n, generator=gen, dtype=torch.float64) * 100).tolist()
+        for q in qs:
+            got, want = bench_serve._pct(list(xs), q), _nearest_rank(xs, q)
+            if got == want or _pct_ties(n, q) and got in sorted(xs)[int(q * (n - 1)):int(q * (n - 1)) + 2]:
+                continue
+            bad += 1
+            if bad <= 3:
+                rank = sorted(xs).index(got) if got in xs else None
+                ctx.fail(f"the p{100 * q:g} of {n} samples is {got:.6g} (sorted index {rank}); nearest rank on the "
+                         f"position q(n-1) = {q * (n - 1):.4g} gives {want:.6g} (index "
+                         f"{sorted(xs).index(want)})", file=SERVE, symbol="_pct",
+                         condition=f"{n} samples ({'odd' if n % 2 else 'even'} count), q={q}")
+    ctx.metric("pct_mismatches", bad, better="lower")
+    ctx.check(math.isnan(bench_serve._pct([], 0.5)), "the percentile of no sample is not NaN", file=SERVE,
+              symbol="_pct", condition="no samples")
+    for n in (1, 2, 5, 6, 31):
+        ttft = (torch.rand(n, generator=gen, dtype=torch.float64) + 0.01).tolist()
+        tpot = (torch.rand(max(1, n - 1), generator=gen, dtype=torch.float64) * 0.1 + 1e-3).tolist()
+        tokens, makespan = int(torch.randint(n, 50 * n, (1,), generator=gen)), float(sum(ttft))
+        got = bench_serve._latency_stats(list(ttft), list(tpot), tokens, makespan)
+        want = {"ttft_ms_p50": 1e3 * _nearest_rank(ttft, 0.5), "ttft_ms_p99": 1e3 * _nearest_rank(ttft, 0.99),
+                "tpot_ms_p50": 1e3 * _nearest_rank(tpot, 0.5), "tpot_ms_p99": 1e3 * _nearest_rank(tpot, 0.99),
+                "throughput_tok_s": tokens / makespan, "requests": n}
+        for key, w in want.items():
+            g = got.get(key)
+            ctx.check(g is not None and math.isclose(g, w, rel_tol=1e-12), f"{key} is {g}, from the samples {w:.6g}",
+                      file=SERVE, symbol="_pct" if "_p" in key else "_latency_stats",
+                      condition=f"{n} requests, {len(tpot)} TPOT samples, {tokens} tokens in {makespan:.3f} s")
+
+
+def _recording_clusters():
+    """A context manager: while it is open, ``run_disagg`` builds its clusters from a subclass of
+    ``DisaggCluster`` that records every ``run`` (the cluster's ``decode`` flag, the run's ``transfer``, its
+    requests, result and wall time) and changes nothing else; yields the list of records."""
+    import contextlib
+    import inspect
+    import time
+
+    import target_stack.engine.disagg as disagg
+
+    @contextlib.contextmanager
+    def recording():
+        base, records = disagg.DisaggCluster, []
+        init_sig, run_sig = inspect.signature(base.__init__), inspect.signature(base.run)
+
+        class Recorded(base):
+            def __init__(self, *args, **kwargs):
+                bound = init_sig.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                self._decode = bound.arguments["decode"]
+                super().__init__(*args, **kwargs)
+
+            def run(self, *args, **kwargs):
+                bound = run_sig.bind(self, *args, **kwargs)
+                bound.apply_defaults()
+                t0 = time.monotonic()
+                result = super().run(*args, **kwargs)
+                records.append({"decode": self._decode, "transfer": bound.arguments["transfer"],
+                                "prompts": [q[0] for q in bound.arguments["requests"]], "result": result,
+                                "seconds": time.monotonic() - t0})
+                return result
+
+        disagg.DisaggCluster = Recorded
+        try:
+            yield records
+        finally:
+            disagg.DisaggCluster = base
+
+    return recording()
+
+
+def _check_serve_run(ctx: ProbeContext, r: dict, records: list[dict], prompts: list[list[int]]) -> None:
+    """Every figure ``run_disagg`` reports equals an independent computation from the per-request timings of the
+    same run (its clusters' ``run`` results, recorded): per its docstring, over the workload's runs (the warm-ups
+    left out), the prefill-only baseline (``decode=False`` cluster, ``transfer=False``), prefill + transfer (the
+    same cluster, transfer on) and the full cluster; sums are medians over the repeats; TTFT = first token -
+    arrival and TPOT = (done - first token) / (tokens - 1) of the full runs, exposed transfer = transfer done -
+    prefill done of the transfer runs, their p50/p99 by ``_nearest_rank``; throughput = one repeat's output tokens
+    / the median wall time of the full runs (recorded inside the call: at most a little shorter)."""
+    runs = {"prefill": [], "transfer": [], "full": []}
+    for rec in records:
+        if rec["prompts"] != prompts:
+            continue  # a warm-up
+        kind = "full" if rec["decode"] else "transfer" if rec["transfer"] else "prefill"
+        runs[kind].append(rec)
+    where = dict(file=SERVE, symbol="run_disagg", condition=f"the e2e workload {ctx.params['workload']}")
+    missing = [k for k, v in runs.items() if not v]
+    if not ctx.check(not missing, f"no {', '.join(missing)} run of the workload was seen (the benchmark's runs: "
+                     f"{len(records)} recorded)", **where):
+        return
+
+    def total(kind: str, end: str) -> float:
+        return statistics.median(sum(getattr(t, end) - t.prefill_start for t in rec["result"].timings)
+                                 for rec in runs[kind])
+
+    prefill_only = total("prefill", "prefill_done")
+    exposed = [t.transfer_done - t.prefill_done for rec in runs["transfer"] for t in rec["result"].timings]
+    timings = [t for rec in runs["full"] for t in rec["result"].timings]
+    outs = [o for rec in runs["full"] for o in rec["result"].outputs]
+    ttft = [t.first_token - t.arrival for t in timings]
+    tpot = [(t.done - t.first_token) / (len(o.tokens) - 1) for t, o in zip(timings, outs, strict=True)
+            if len(o.tokens) > 1]
+    want = {"kv_transfer_overhead": total("transfer", "transfer_done") / prefill_only - 1,
+            "overhead_with_decode": total("full", "transfer_done") / prefill_only - 1,
+            "exposed_transfer_ms_p50": 1e3 * _nearest_rank(exposed, 0.5),
+            "exposed_transfer_ms_p99": 1e3 * _nearest_rank(exposed, 0.99), "exposed_transfer_samples": len(exposed),
+            "ttft_ms_p50": 1e3 * _nearest_rank(ttft, 0.5), "ttft_ms_p99": 1e3 * _nearest_rank(ttft, 0.99),
+            "tpot_ms_p50": 1e3 * _nearest_rank(tpot, 0.5), "tpot_ms_p99": 1e3 * _nearest_rank(tpot, 0.99),
+            "ttft_samples": len(ttft), "requests": len(prompts)}
+    for key, w in want.items():
+        g, pct = r.get(key), key.endswith(("_p50", "_p99"))
+        n = {"exposed": len(exposed), "ttft": len(ttft), "tpot": len(tpot)}[key.split("_")[0]] if pct else None
+        ctx.check(g is not None and math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-12),
+                  f"{key} is {g}; from the run's per-request timings {w:.6g}", file=SERVE,
+                  symbol="_pct" if pct else "run_disagg",
+                  condition=f"{n} samples ({'odd' if n % 2 else 'even'} count) of the e2e run, "
+                  f"{ctx.params['workload']}" if pct else where["condition"])
+    tokens = sum(len(o.tokens) for o in runs["full"][0]["result"].outputs)
+    inner = statistics.median(rec["seconds"] for rec in runs["full"])
+    implied = tokens / r["throughput_tok_s"] if r.get("throughput_tok_s") else math.inf
+    ctx.check(inner * (1 - 1e-9) <= implied <= inner * 1.01 + 0.02,
+              f"throughput {r.get('throughput_tok_s')} tok/s implies {implied:.4f} s for the {tokens} output tokens "
+              f"of one repeat; the full runs took {inner:.4f} s (median)", file=SERVE, symbol="_latency_stats",
+              condition=where["condition"])
 
 
 @probe(kind="e2e")
 def serve_e2e(ctx: ProbeContext) -> None:
     """The serving benchmark's disaggregated part on a small workload: TTFT, TPOT, throughput and
-    the KV-transfer overhead (prefill + transfer against prefill alone, same workload)."""
+    the KV-transfer overhead (prefill + transfer against prefill alone, same workload).  Every figure it
+    reports is recomputed from the per-request timings of the same run (``_check_serve_run``), and its
+    statistics are checked on fresh samples against their definitions (``_check_serve_statistics``)."""
     from target_stack.bench.serve import Workload, run_disagg
+    from target_stack.model.model import PRESETS
 
-    r = run_disagg("tiny", Workload.parse(ctx.params["workload"]), ctx.params.get("stages", 2))
+    _check_serve_statistics(ctx, fresh_generator())  # a few ms
+    workload = Workload.parse(ctx.params["workload"])
+    with _recording_clusters() as records:
+        r = run_disagg("tiny", workload, ctx.params.get("stages", 2))
+    prompts = [q for q, _, _ in workload.build(PRESETS["tiny"].vocab, PRESETS["tiny"].patch)[0]]
+    _check_serve_run(ctx, r, records, prompts)
     samples = {"ttft_ms_p99": r["ttft_samples"], "exposed_transfer_ms_p99": r["exposed_transfer_samples"]}
     for key, unit in (("ttft_ms_p50", "ms"), ("ttft_ms_p99", "ms"), ("tpot_ms_p50", "ms"),
                       ("throughput_tok_s", "tok/s"), ("exposed_transfer_ms_p99", "ms")):

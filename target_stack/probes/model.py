@@ -34,6 +34,7 @@ NATIVE_C = "target_stack/ops/moe/native/moe_dispatch.c"
 NATIVE_PY = "target_stack/ops/moe/native/__init__.py"
 MOE_GROUPED = "target_stack/ops/moe/grouped.py"
 MOE_REFERENCE = "target_stack/ops/moe/reference.py"
+DERIVED = "target_stack/model/derived.py"
 MARGIN = 1e-4  # a discrete choice is compared only where the float64 scores are this far apart
 
 torch.set_num_threads(1)  # small tensors: an OpenMP team costs more than it saves, worst on shared cores
@@ -992,6 +993,263 @@ def _check_pooled(ctx: ProbeContext, chk: Checker, layer, x: torch.Tensor, split
         ctx.check(not conv_pool[0].any(), "the null slot 0's convolution tail was written", **tails)
 
 
+# -- derived weights (target_stack/model/derived.py): remade after an in-place update, kept otherwise ----------
+
+# the in-place updates a served model sees; ``.data.copy_`` is left out: a write through ``.data`` bypasses the
+# version counter (torch's own contract), so no version-keyed cache can see it
+DERIVED_UPDATES = ("load_state_dict of a freshly built model's state", "copy_ of fresh values into each parameter",
+                   "in-place mul_ of each parameter by random factors in [0.5, 1.5)")
+
+
+class _Counted:
+    """A derived weight's build, counted: how often a ``DerivedWeight`` remakes its tensor (the build unchanged)."""
+
+    def __init__(self, build):
+        self.build, self.calls = build, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.build(*args, **kwargs)
+
+
+def _check_derived_alone(ctx: ProbeContext, draw: Draw) -> tuple[bool, bool]:
+    """``DerivedWeight`` on its own, two random matrices as parts: built once, the same tensor (no rebuild) while
+    nothing changes, and after every in-place update of a part (load_state_dict, copy_ into one part, mul_, an
+    indexed write), a new tensor in a part's place and a changed extra argument, exactly the build of the parts as
+    they are now (one rebuild); and ``stack_rows``: the parts one under the other.  (cache holds, stack_rows holds)."""
+    from target_stack.model.derived import DerivedWeight, stack_rows
+
+    parts = [draw.randn(n, 5) for n in (3, 1, 2)]
+    where = dict(file=DERIVED, symbol="stack_rows", condition=f"three random parts of 3, 1 and 2 rows on {ctx.device}")
+    stacked = stack_rows(parts)
+    stack_ok = stacked.shape == (6, 5) and torch.equal(stacked, torch.cat(parts))
+    ctx.check(stack_ok, "stack_rows is not the parts one under the other", **where)
+
+    mod = torch.nn.Module()
+    mod.a, mod.b = torch.nn.Parameter(draw.randn(3, 5)), torch.nn.Parameter(draw.randn(2, 5))
+    count = _Counted(lambda parts, dtype: torch.cat(list(parts)).to(dtype))
+    dw = DerivedWeight(count)
+    ok, last = True, None
+
+    def step(what: str, dtype=torch.float32, rebuilds: int = 1) -> None:
+        nonlocal ok, last
+        where = dict(file=DERIVED, symbol="DerivedWeight.__call__", condition=f"{what} (alone: two random parts "
+                     f"on {ctx.device})")
+        before = count.calls
+        try:
+            got = dw((mod.a, mod.b), dtype)
+        except Exception as exc:  # noqa: BLE001 - the cache's own failure, located
+            ok = False
+            ctx.fail(f"DerivedWeight raised {type(exc).__name__}: {exc}", **where)
+            return
+        want = torch.cat([mod.a.detach(), mod.b.detach()]).to(dtype)
+        built = count.calls - before
+        if not (got.dtype == want.dtype and torch.equal(got, want)):
+            ok = False
+            ctx.fail(f"the derived tensor is not the build of the parts as they are now (rebuilt {built} times): "
+                     "a stale copy", **where)
+        elif built != rebuilds or (rebuilds == 0 and got is not last):
+            ok = False
+            ctx.fail(f"rebuilt {built} times, expected {rebuilds}" + (" (nothing changed: the cached tensor must be "
+                     "served again)" if rebuilds == 0 else ""), **where)
+        last = got
+
+    step("first call")
+    step("second call, nothing changed", rebuilds=0)
+    fresh = torch.nn.Module()
+    fresh.a, fresh.b = torch.nn.Parameter(draw.randn(3, 5)), torch.nn.Parameter(draw.randn(2, 5))
+    mod.load_state_dict(fresh.state_dict())
+    step("after load_state_dict")
+    with torch.no_grad():
+        mod.b.copy_(draw.randn(2, 5))
+    step("after copy_ into the second part only")
+    with torch.no_grad():
+        mod.a.mul_(draw.rand(3, 5) + 0.5)
+    step("after mul_ of the first part")
+    with torch.no_grad():
+        mod.b[1] = draw.randn(5)
+    step("after an indexed write into one row of the second part")
+    mod.a = torch.nn.Parameter(draw.randn(3, 5))
+    step("after a new tensor in the first part's place")
+    step("the extra argument changed (dtype float64)", dtype=torch.float64)
+    step("the extra argument unchanged", dtype=torch.float64, rebuilds=0)
+    return ok, stack_ok
+
+
+def _derived_paths(ctx: ProbeContext, model, draw: Draw, units: list) -> list[dict]:
+    """Every path of ``model`` that reads a derived weight, each with its float64 definition on the weights the
+    modules hold now: the sparse-attention layer's fused projection ([w_qkv; w_idx]), the KDA layer's stacked input
+    projections (the fused decode step's one product), the MoE's graph-safe form over the stacked experts, the
+    small-batch experts (with the shared expert), on the CPU the native backend (stacked experts) and on a GPU the
+    grouped GEMMs of a bf16 copy (its own derived layout; added to ``units``, the modules the updates reach)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from target_stack.model.kda_layer import KDALayer
+    from target_stack.model.layers import MoE
+    from target_stack.model.model import SparseAttentionLayer
+
+    def first(kind):
+        return next(m for m in model.modules() if isinstance(m, kind))
+
+    attn, kda, moe = first(SparseAttentionLayer), first(KDALayer), first(MoE)
+
+    def flag(module, name: str, value, fn):
+        def run(x):
+            before = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                return fn(x)
+            finally:
+                setattr(module, name, before)
+        return run
+
+    def project(x):
+        q, k, v, iq, ik = attn.project(x)
+        return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1), iq, ik], dim=-1)
+
+    def stacked_product(parts):
+        return lambda x: (f64(x) @ torch.cat([f64(w) for w in parts()]).T, None)
+
+    def moe_ref(module):
+        def want(x):
+            out, margin = ref.moe(f64(x), module)
+            return out, margin > MARGIN
+        return want
+
+    def static(small: bool):
+        def run(x):  # the expert form: a tenth of the token form's time in the interpreter, the same derived weight
+            before = moe.small_batch, moe.small_batch_form
+            moe.small_batch, moe.small_batch_form = small, "expert"
+            try:
+                return moe.forward_static(x)
+            finally:
+                moe.small_batch, moe.small_batch_form = before
+        return run
+
+    # report: a first-call error is this probe's to name (the projections' wiring); the MoE forms are judged by
+    # model.layers and model.moe.native, so one wrong on its first call is only left out of the cache's checks here
+    paths = [dict(symbol="SparseAttentionLayer.project (fused: one product over [w_qkv; w_idx])", file=MODEL,
+                  fn=flag(attn, "fused", True, project), want=stacked_product(lambda: (attn.w_qkv, attn.w_idx)),
+                  report=True),
+             dict(symbol="KDALayer.input_weight (the fused decode step's product)", file=KDA_LAYER,
+                  fn=lambda x: F.linear(x, kda.input_weight()),
+                  want=stacked_product(lambda: (kda.w_qkv, kda.w_f, kda.w_g, kda.w_b)), report=True),
+             dict(symbol="MoE.forward_static (masked_dense over MoE.stacked_weights)", file=LAYERS, fn=static(False),
+                  want=moe_ref(moe)),
+             dict(symbol="MoE.forward_static (small_batch_experts, form='expert', over MoE._small_weights)",
+                  file=LAYERS, fn=static(True), want=moe_ref(moe))]
+    if ctx.device == "cpu":  # the native backend is a CPU fp32 path (on a GPU it reads the parameters)
+        paths.append(dict(symbol="MoE.forward (backend='native', over MoE.stacked_weights)", file=LAYERS,
+                          fn=flag(moe, "backend", "native", moe), want=moe_ref(moe)))
+    elif hasattr(torch, "_grouped_mm"):  # the grouped GEMMs' own layout, where they run: bf16 on a GPU
+        twin = copy.deepcopy(moe).to(torch.bfloat16)
+        twin.fused = False  # the torch router (judged in model.layers): only the experts' layout is at stake here
+        if twin._grouped_ok(draw.randn(8, model.cfg.dim).to(torch.bfloat16)):
+            index = next(i for i, b in enumerate(model.blocks) if b.ffn is moe)
+            units.append((twin, lambda donor: donor.blocks[index].ffn))
+            tol = float(ctx.params.get("bf16_tolerance", 3e-2))
+            paths.append(dict(symbol="MoE.forward bf16 (grouped GEMMs over MoE._grouped_weights)", file=LAYERS,
+                              fn=lambda x: twin(x.to(torch.bfloat16)),
+                              want=lambda x: moe_ref(twin)(x.to(torch.bfloat16)), tol=tol, metric="max_rel_err_bf16"))
+    return paths
+
+
+def _check_derived_weights(ctx: ProbeContext, chk: Checker, draw: Draw) -> None:
+    """The cache contract of derived weights, both ways, on a model's own paths: each path that reads one (see
+    ``_derived_paths``) runs once, runs again with nothing changed (no derived weight rebuilt), then after each of
+    ``DERIVED_UPDATES`` (in place: same storage, the version counter bumped) is held to the float64 definition on
+    the new weights.  A stale or needlessly rebuilt copy is ``DerivedWeight``'s where the cache on its own
+    (``_check_derived_alone``) breaks the same contract, else the path's (the parts it keys on).
+    About 0.7 s on the CPU (the small-batch experts in the interpreter five times, 0.1 s each; a fork)."""
+    import dataclasses
+
+    from target_stack.model.derived import DerivedWeight
+    from target_stack.model.model import HybridModel, ModelConfig
+
+    cache_ok, stack_ok = _check_derived_alone(ctx, draw)
+    dev = ctx.device
+    model = HybridModel(ModelConfig(seed=_seed(draw)))
+    ref.randomize_norms(model, draw.cpu)
+    model.to(dev).eval()
+    units = [(model, lambda donor: donor)]  # (module, its counterpart in a donor model): what an update reaches
+    paths = _derived_paths(ctx, model, draw, units)
+    counters = [v for unit, _ in units for m in unit.modules() for v in vars(m).values()
+                if isinstance(v, DerivedWeight)]
+    for dw in counters:
+        dw.build = _Counted(dw.build)
+    T = 6  # a decode-sized batch: the small-batch experts take it
+    cond = f"T={T}, {dev}"
+
+    def builds() -> int:
+        return sum(getattr(dw.build, "calls", 0) for dw in counters)
+
+    def run(path: dict, x: torch.Tensor):
+        """(output, float64 definition, derived weights built during the call), on the rows whose routing is clear."""
+        before = builds()
+        with torch.no_grad():
+            out = path["fn"](x)
+        built = builds() - before
+        want, clear = path["want"](x)
+        if clear is not None:
+            out, want = out[clear.to(out.device)], want[clear]
+        return out, want, built
+
+    def blame(path: dict) -> dict:
+        return dict(file=DERIVED, symbol="DerivedWeight.__call__") if not cache_ok else \
+            dict(file=path["file"], symbol=path["symbol"])
+
+    x = draw.randn(T, model.cfg.dim)
+    live = []
+    for path in paths:  # first calls: the derived weights built from the weights as loaded
+        tol = path.get("tol", chk.tolerance)
+        if path.get("report"):
+            where = dict(file=path["file"], symbol=path["symbol"]) if stack_ok else \
+                dict(file=DERIVED, symbol="stack_rows")  # the projections' stacked weights
+            where["condition"] = f"{cond}; {path['symbol']}, first call"
+            with chk.guard(**where):
+                out, want, _ = run(path, x)
+                if chk.compare(out, want, "output on the weights as loaded", **where) <= tol:
+                    live.append(path)
+            continue
+        try:
+            out, want, _ = run(path, x)
+            err = rel_err(out, want)
+        except Exception:  # noqa: BLE001 - judged by the probes of its own (see _derived_paths)
+            continue
+        if err <= tol:
+            chk.track(err, path.get("metric"))
+            live.append(path)
+    for path in live:  # nothing changed: nothing rebuilt
+        where = dict(blame(path), condition=f"{cond}; {path['symbol']} called again, no weight changed")
+        with chk.guard(**where):
+            _, _, built = run(path, x)
+            ctx.check(built == 0, f"{built} derived weights rebuilt on a second call with no weight changed (the "
+                      "cache must serve the same tensor)", **where)
+    for i, kind in enumerate(DERIVED_UPDATES):
+        donor = HybridModel(dataclasses.replace(model.cfg, seed=_seed(draw))) if i < 2 else None
+        with torch.no_grad():
+            for unit, pick in units:
+                if i == 0:
+                    unit.load_state_dict(pick(donor).state_dict())
+                elif i == 1:
+                    for p, q in zip(unit.parameters(), pick(donor).parameters(), strict=True):
+                        p.copy_(q)
+                else:
+                    for p in unit.parameters():
+                        p.mul_((torch.rand(p.shape, generator=draw.cpu) + 0.5).to(p))
+        x = draw.randn(T, model.cfg.dim)
+        for path in live:
+            where = dict(blame(path), condition=f"{cond}; {path['symbol']} after {kind} (in place: same storage, "
+                         "version counter bumped)")
+            with chk.guard(**where):
+                out, want, built = run(path, x)
+                chk.compare(out, want, f"output after the update ({built} derived weights rebuilt in this call; "
+                            "a stale derived copy keeps the old weights)", tolerance=path.get("tol"),
+                            metric=path.get("metric"), against="the float64 definition on the new weights", **where)
+
+
 # -- the image path and the whole model --------------------------------------------------------------
 
 
@@ -1077,4 +1335,6 @@ def hybrid(ctx: ProbeContext) -> None:
             else:
                 chk.compare(out, want, "logits (every component matches on its own input: the composition)",
                             **where)
+    # the derived weights' cache, in a child on the CPU (the native backend and the interpreter run there)
+    isolated(ctx, lambda: _check_derived_weights(ctx, chk, draw), chk, file=DERIVED, symbol="DerivedWeight.__call__")
     chk.report()
