@@ -360,19 +360,13 @@ def _step_condition(flags: dict) -> str:
     return f"in the kernel: {', '.join(done)}" if done else "inputs prepared outside the kernel"
 
 
-@probe(kind="trace")
-def decode_work(ctx: ProbeContext) -> None:
-    """What one pooled decode step does, counted under Triton's interpreter (feedback/workcount.py):
-    how many times each input is fetched, the divisions and special functions executed per output,
-    the programs the grid runs per (sequence, head).  Device-independent: the manifest runs it in
-    the interpreter on every machine.  The counted call's outputs and states are checked against
-    float64 too, so a kernel that skips work cannot show less of it."""
-    from feedback.workcount import WorkCount, report
+def _counted_call(ctx: ProbeContext, c: dict, N: int, H: int, K: int, V: int, gen: torch.Generator, T: int):
+    """One pooled call of ``T`` tokens per sequence (slot 0, the null slot, poisoned and never read) counted
+    under Triton's interpreter: (the WorkCount, the worst error of its outputs and states against float64, the
+    call's flags)."""
+    from feedback.workcount import WorkCount
 
-    c = ctx.params
-    N, H, K, V = c["batch"], c["H"], c["K"], c["V"]
-    gen = fresh_generator(device=ctx.device)
-    x, flags = _step_inputs(dict(c, l2norm=c.get("l2norm", True)), N, H, K, V, gen)
+    x, flags = _step_inputs(dict(c, l2norm=c.get("l2norm", True)), N, H, K, V, gen, T=T)
     q, k, v, g, beta = x[:5]
     pool = torch.randn(N + 1, H, K, V, generator=gen, device=ctx.device)
     pool[0] = float("nan")  # the null slot: never read
@@ -381,7 +375,22 @@ def decode_work(ctx: ProbeContext) -> None:
     with WorkCount(q=q, k=k, v=v, g=g, beta=beta, state=pool[1:]) as wc:
         o, _ = _step_call(x, flags, pool, slots)
     ro, rs = _step_ref(x, flags, before)
-    err = max(rel_err(o, ro), rel_err(pool[1:], rs))
+    return wc, max(rel_err(o, ro), rel_err(pool[1:], rs)), flags
+
+
+@probe(kind="trace")
+def decode_work(ctx: ProbeContext) -> None:
+    """What one pooled decode step does, counted under Triton's interpreter (feedback/workcount.py):
+    how many times each input is fetched, the divisions and special functions executed per output,
+    the programs the grid runs per (sequence, head).  Device-independent: the manifest runs it in
+    the interpreter on every machine.  The counted call's outputs and states are checked against
+    float64 too, so a kernel that skips work cannot show less of it."""
+    from feedback.workcount import report
+
+    c = ctx.params
+    N, H, K, V = c["batch"], c["H"], c["K"], c["V"]
+    gen = fresh_generator(device=ctx.device)
+    wc, err, flags = _counted_call(ctx, c, N, H, K, V, gen, T=1)
     ctx.metric("max_rel_err", finite(err), better="lower")
     cond = f"one pooled decode step, N={N}, H={H}, K={K}, V={V}, {_step_condition(flags)}"
     kernel = dict(file=RECURRENT, kernel="_kda_fused_recurrent_kernel", condition=cond)
@@ -423,19 +432,10 @@ def _token_loop_work(ctx: ProbeContext, c: dict, N: int, H: int, K: int, V: int,
     work per token, prefixed ``tokens.``.  What a kernel does once per call but is moved into its token loop
     (a per-head constant, a bias row, a special function) is invisible in a one-token step and shows here,
     growing with the tokens; the call's outputs and states are checked against float64 too."""
-    from feedback.workcount import WorkCount, report
+    from feedback.workcount import report
 
     T = int(c["tokens"])
-    x, flags = _step_inputs(dict(c, l2norm=c.get("l2norm", True)), N, H, K, V, gen, T=T)
-    q, k, v, g, beta = x[:5]
-    pool = torch.randn(N + 1, H, K, V, generator=gen, device=ctx.device)
-    pool[0] = float("nan")  # the null slot: never read
-    slots = torch.arange(1, N + 1, dtype=torch.int32, device=ctx.device)
-    before = pool[1:].clone()
-    with WorkCount(q=q, k=k, v=v, g=g, beta=beta, state=pool[1:]) as wc:
-        o, _ = _step_call(x, flags, pool, slots)
-    ro, rs = _step_ref(x, flags, before)
-    err = max(rel_err(o, ro), rel_err(pool[1:], rs))
+    wc, err, flags = _counted_call(ctx, c, N, H, K, V, gen, T=T)
     cond = f"one pooled call of {T} tokens per sequence, N={N}, H={H}, K={K}, V={V}, {_step_condition(flags)}"
     ctx.metric("tokens.max_rel_err", finite(err), better="lower")
     ctx.check(err < float(c.get("tolerance", 1e-5)), f"a call of {T} tokens per sequence is wrong (rel. error "

@@ -93,14 +93,16 @@ print(json.dumps({
 '''
 
 
-def _run(tmp_path: pathlib.Path) -> dict:
+def _run(tmp_path: pathlib.Path, files: dict[str, str] | None = None, script: str = RUN) -> dict:
+    """Write the package ``mystack`` (``files``: name -> source), run ``script`` over it in a subprocess under
+    the interpreter, and return the JSON of its last line."""
     pkg = tmp_path / "mystack"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "launch.py").write_text(LAUNCH)
-    (pkg / "model.py").write_text(MODEL)
+    for name, source in (files or {"launch.py": LAUNCH, "model.py": MODEL}).items():
+        (pkg / name).write_text(source)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", RUN, str(tmp_path)], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -183,16 +185,7 @@ print(json.dumps({
 def test_a_helper_s_launches_are_also_counted_at_the_function_of_another_file_that_called_it(tmp_path):
     """A function that newly reaches a helper which launches (a cache it now bypasses) shows at the caller:
     each site's launches per entry (the innermost caller in another file of the stack), with its call lines."""
-    pkg = tmp_path / "mystack"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ops.py").write_text(OPS)
-    (pkg / "layer.py").write_text(LAYER)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", ENTRIES, str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = _run(tmp_path, {"ops.py": OPS, "layer.py": LAYER}, ENTRIES)
     assert got["sites"] == {"mystack/ops.py:double": {"other": 6}, "mystack/layer.py:forward": {"other": 1}}
     # 2 ops of each call through layer.py; the third call came from the counting code itself
     assert got["entries"] == {"mystack/ops.py:double": {"mystack/layer.py:_tail": 2, "mystack/layer.py:forward": 2}}
