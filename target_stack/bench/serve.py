@@ -92,11 +92,14 @@ class Workload:
 
 
 def _pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile the benchmark reports: the sorted sample at the position q * (n - 1) rounded to the
+    nearest index, a half up (no interpolation: always a measured value); NaN for no sample."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
 
 
 def _latency_stats(ttft: list[float], tpot: list[float], tokens: int, makespan: float) -> dict:
+    """TTFT and TPOT p50/p99 in ms (``_pct``), output throughput (tokens / makespan) and the request count."""
     return {"ttft_ms_p50": 1e3 * _pct(ttft, 0.5), "ttft_ms_p99": 1e3 * _pct(ttft, 0.99),
             "tpot_ms_p50": 1e3 * _pct(tpot, 0.5), "tpot_ms_p99": 1e3 * _pct(tpot, 0.99),
             "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0, "requests": len(ttft)}

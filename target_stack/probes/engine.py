@@ -842,9 +842,9 @@ SERVE = "target_stack/bench/serve.py"
 
 
 def _nearest_rank(xs: list[float], q: float) -> float:
-    """The percentile the serving benchmark reports (``bench/serve.py``'s ``_pct``; its docstring documents none):
-    the sorted sample nearest the linear position q·(n−1), a half rounded up; NaN for no sample.  Written here
-    from that definition: the index at the smallest distance to the position, the larger of two at equal ones."""
+    """The percentile the serving benchmark documents (``bench/serve.py``'s ``_pct``): the sorted sample nearest
+    the linear position q·(n−1), a half rounded up; NaN for no sample.  Written here from that definition: the
+    index at the smallest distance to the position, the larger of two at equal ones."""
     if not xs:
         return float("nan")
     pos, ordered = q * (len(xs) - 1), sorted(xs)
