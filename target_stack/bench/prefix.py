@@ -73,6 +73,10 @@ def run(preset: str, spec: str, out: pathlib.Path, console, device: str | None =
             before = engine.prefix.stats["reused_tokens"] if engine.prefix else 0
             t0 = time.monotonic()
             outs = [engine.generate([p], params)[0] for p in prompts]  # one request at a time: TTFT = prefill
+            failed = [o for o in outs if o.ttft_s is None]
+            if failed:  # no first token: nothing to time, and the turns after it would build on nothing
+                raise RuntimeError(f"turn {turn + 1}: the {name} engine's request of {len(failed[0].prompt)} tokens "
+                                   f"ended {failed[0].finish_reason!r} before its first token")
             if device == "cuda":
                 torch.cuda.synchronize()
             results[name] = (outs, time.monotonic() - t0)

@@ -461,7 +461,11 @@ def prefix_reuse(ctx: ProbeContext) -> None:
     ctx.check(not leaked, f"pages or references left after clearing the cache: {problems}",
               file=PREFIX, symbol="PrefixCache")
     _check_mixed_traffic(ctx, model, gen, ps, int(p.get("ring", 64)))  # ~0.2 s on CPU (18 short requests)
-    _check_prefix_bench(ctx, gen)  # ~0.15 s on CPU (the benchmark's own code, 2 conversations x 3 turns)
+    if ctx.failed:  # the benchmark's accounting means something only on an engine whose reuse is right
+        ctx.finding("the prefix benchmark's accounting was not checked: the engine's prefix reuse failed above",
+                    file="target_stack/bench/prefix.py", symbol="run")
+    else:
+        _check_prefix_bench(ctx, gen)  # ~0.15 s on CPU (the benchmark's own code, 2 conversations x 3 turns)
 
 
 def _near_tie(model: HybridModel, prompt: list[int], image: torch.Tensor | None, tokens: list[int], i: int,
@@ -589,10 +593,17 @@ def _check_prefix_bench(ctx: ProbeContext, gen: torch.Generator) -> None:
     events_path, out_path = paths
     saved = os.environ.get(EVENTS_VAR)
     os.environ[EVENTS_VAR] = events_path
+    where = dict(file=bench, symbol="run", condition=f"the prefix benchmark on {spec}, tiny preset, CPU")
     try:
         rc = bench_prefix.run("tiny", spec, pathlib.Path(out_path), Console(file=io.StringIO()), device="cpu")
         result = json.loads(pathlib.Path(out_path).read_text())
         prefills = [e for e in load_events(events_path) if e.get("event") == "prefill.start"]
+    except Exception as exc:  # noqa: BLE001 - the benchmark's failure is this check's finding, not the probe's end
+        from target_stack.probes.reference import culprit, raised_message
+
+        file, symbol = culprit(exc, ctx.tree) or (bench, "run")
+        ctx.fail(f"the prefix benchmark {raised_message(exc)}", **dict(where, file=file, symbol=symbol))
+        return
     finally:
         if saved is None:
             os.environ.pop(EVENTS_VAR, None)
@@ -600,7 +611,6 @@ def _check_prefix_bench(ctx: ProbeContext, gen: torch.Generator) -> None:
             os.environ[EVENTS_VAR] = saved
         for path in paths:
             os.unlink(path)
-    where = dict(file=bench, symbol="run", condition=f"the prefix benchmark on {spec}, tiny preset, CPU")
     ctx.check(rc == 0, f"the prefix benchmark reported leaks: {result.get('leaks')}, "
               f"{result.get('pages_used_after_clear')} pages in use after clearing", **where)
     rows, per = result.get("turns", []), 2 * conv.conversations  # each turn: every conversation on both engines

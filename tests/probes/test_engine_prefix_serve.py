@@ -81,6 +81,21 @@ def test_prefix_bench_check_catches_a_cumulative_per_turn_reuse(monkeypatch):
     assert any("turn 3 of 3" in f.location.condition for f in ctx.findings)  # turns 1 and 2 are unaffected
 
 
+def test_a_benchmark_whose_requests_fail_is_a_finding_at_the_benchmark_not_the_end_of_the_probe(monkeypatch):
+    """A prefill that fails (here: every prefill from a cached prefix) leaves requests without a first token; the
+    benchmark says which, and the probe reports it bound to where it was raised instead of dying mid-check."""
+    from target_stack.engine.runner import ModelRunner
+
+    def broken(self, *args, **kwargs):
+        raise IndexError("ring position out of range")
+
+    monkeypatch.setattr(ModelRunner, "prefill_from", broken)
+    ctx = ProbeContext("engine.prefix_reuse", _params("engine.prefix_reuse"), ".")
+    probes._check_prefix_bench(ctx, fresh_generator())
+    assert ctx.failed and {f for f, _ in _failures(ctx)} == {BENCH_PREFIX}, ctx.findings
+    assert any("before its first token" in f.message and "IndexError" in f.message for f in ctx.findings)
+
+
 def test_prefix_bench_check_catches_a_share_over_the_wrong_prompts(monkeypatch):
     from target_stack.bench import prefix as bench_prefix
 
