@@ -306,13 +306,14 @@ def report(ctx, lc: LaunchCount, per: float = 1.0, unit: str = "step", prefix: s
         where = {"file": site.file, "symbol": site.function} if site != UNKNOWN else {}
         where["part"] = f"{prefix}{site}"
         callers = entries.get(site, {})
-        via = "; entered from " + ", ".join(f"{e} (line {', '.join(map(str, sorted(lc.entry_lines[site, e])))}: "
-                                              f"{m / per:.4g})" for e, m in callers.items()) if callers else ""
+        lines = {e: ", ".join(map(str, sorted(lc.entry_lines[site, e]))) for e in callers}
+        via = "; entered from " + ", ".join(f"{e} (line {lines[e]}: {m / per:.4g})" for e, m in callers.items()) \
+            if callers else ""
         ctx.finding(f"{site}: {n / per:.4g} launches per {unit} ({text}){via}", **where)
         # each entry as a part of its own, bound to the caller's file: a function that newly calls a helper
         # which launches (a cache it now bypasses, a conversion it now asks for) shows at the caller
         for entry, m in callers.items():
             ctx.metric(f"{prefix}{entry}>{site.function}.launches", m / per, unit=f"/{unit}", counted=True)
-            ctx.finding(f"{entry} calls {site} (line {', '.join(map(str, sorted(lc.entry_lines[site, entry])))}): "
+            ctx.finding(f"{entry} calls {site} (line {lines[entry]}): "
                         f"{m / per:.4g} launches per {unit} there", file=entry.file, symbol=entry.function,
                         part=f"{prefix}{entry}>{site.function}")

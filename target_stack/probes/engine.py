@@ -575,6 +575,7 @@ def _check_prefix_bench(ctx: ProbeContext, gen: torch.Generator) -> None:
     import io
     import json
     import pathlib
+    from unittest import mock
 
     from rich.console import Console
 
@@ -585,32 +586,20 @@ def _check_prefix_bench(ctx: ProbeContext, gen: torch.Generator) -> None:
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     spec = f"{ctx.params.get('bench', 'conversations=2,turns=3,first=24-40,user=4-12,output=2')},seed={seed}"
     conv = bench_prefix.Conversations.parse(spec)
-    paths = []
-    for suffix in (".jsonl", ".json"):
-        fd, path = tempfile.mkstemp(suffix=suffix)
-        os.close(fd)
-        paths.append(path)
-    events_path, out_path = paths
-    saved = os.environ.get(EVENTS_VAR)
-    os.environ[EVENTS_VAR] = events_path
     where = dict(file=bench, symbol="run", condition=f"the prefix benchmark on {spec}, tiny preset, CPU")
-    try:
-        rc = bench_prefix.run("tiny", spec, pathlib.Path(out_path), Console(file=io.StringIO()), device="cpu")
-        result = json.loads(pathlib.Path(out_path).read_text())
-        prefills = [e for e in load_events(events_path) if e.get("event") == "prefill.start"]
-    except Exception as exc:  # noqa: BLE001 - the benchmark's failure is this check's finding, not the probe's end
-        from target_stack.probes.reference import culprit, raised_message
+    with tempfile.TemporaryDirectory(prefix="prefix-bench-") as tmp:
+        events_path, out_path = os.path.join(tmp, "events.jsonl"), pathlib.Path(tmp, "result.json")
+        try:
+            with mock.patch.dict(os.environ, {EVENTS_VAR: events_path}):
+                rc = bench_prefix.run("tiny", spec, out_path, Console(file=io.StringIO()), device="cpu")
+            result = json.loads(out_path.read_text())
+            prefills = [e for e in load_events(events_path) if e.get("event") == "prefill.start"]
+        except Exception as exc:  # noqa: BLE001 - the benchmark's failure is this check's finding, not the probe's end
+            from target_stack.probes.reference import culprit, raised_message
 
-        file, symbol = culprit(exc, ctx.tree) or (bench, "run")
-        ctx.fail(f"the prefix benchmark {raised_message(exc)}", **dict(where, file=file, symbol=symbol))
-        return
-    finally:
-        if saved is None:
-            os.environ.pop(EVENTS_VAR, None)
-        else:
-            os.environ[EVENTS_VAR] = saved
-        for path in paths:
-            os.unlink(path)
+            file, symbol = culprit(exc, ctx.tree) or (bench, "run")
+            ctx.fail(f"the prefix benchmark {raised_message(exc)}", **dict(where, file=file, symbol=symbol))
+            return
     ctx.check(rc == 0, f"the prefix benchmark reported leaks: {result.get('leaks')}, "
               f"{result.get('pages_used_after_clear')} pages in use after clearing", **where)
     rows, per = result.get("turns", []), 2 * conv.conversations  # each turn: every conversation on both engines
