@@ -115,62 +115,73 @@ def _own_fields(cls: ast.ClassDef) -> tuple[str, ...]:
 
 
 @dataclass
-class _Scan:
-    """What one walk of a module finds: its classes, its calls (with the function around each), its imports."""
+class Digest:
+    """What the check keeps of one module, so that a large tree is never held whole: its definitions, the
+    dataclasses whose fields may come from a base (resolved across modules), the calls that pass at least
+    two names positionally (with the function around each), and its imports."""
 
-    classes: list[ast.ClassDef]
+    rel: str
+    definitions: list[Signature]
+    records: list[ast.ClassDef]
     calls: list[tuple[ast.Call, str | None]]
     imports: list[ast.Import | ast.ImportFrom]
 
 
-def _scan(tree: ast.Module) -> _Scan:
-    out = _Scan([], [], [])
+def digest(tree: ast.Module, rel: str) -> Digest:
+    """One walk of a module (``rel``: its path in the tree)."""
+    out = Digest(rel, [], [], [], [])
+    classes: list[ast.ClassDef] = []
     stack: list[tuple[ast.AST, str | None]] = [(tree, None)]
     while stack:
         node, fn = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             fn = node.name
         elif isinstance(node, ast.ClassDef):
-            out.classes.append(node)
+            classes.append(node)
         elif isinstance(node, ast.Call):
-            out.calls.append((node, fn))
+            if sum(_arg_name(a) is not None for a in node.args) >= 2:  # fewer cannot say which order it believes
+                out.calls.append((node, fn))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             out.imports.append(node)
         stack.extend((child, fn) for child in ast.iter_child_nodes(node))
     out.calls.sort(key=lambda c: (c[0].lineno, c[0].col_offset))
-    return out
 
-
-def signatures(modules: Iterable[tuple[ast.Module, str]],
-               scans: dict[int, _Scan] | None = None) -> dict[str, list[Signature]]:
-    """Every definition of the modules, by its last name."""
-    scans = scans if scans is not None else {}
-    index: dict[str, list[Signature]] = defaultdict(list)
-    records: dict[str, list[tuple[ast.ClassDef, str]]] = defaultdict(list)  # dataclass name -> (class, file)
-
-    def add_functions(body: list[ast.stmt], rel: str, method: bool) -> None:
+    def add_functions(body: list[ast.stmt], method: bool) -> None:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 params = _function_params(node, method)
                 if params is not None and node.name != "__init__":
-                    index[node.name].append(Signature(node.name, rel, node.lineno, params))
+                    out.definitions.append(Signature(node.name, rel, node.lineno, params))
 
-    for tree, rel in modules:
-        add_functions(tree.body, rel, method=False)
-        if id(tree) not in scans:
-            scans[id(tree)] = _scan(tree)
-        for cls in scans[id(tree)].classes:
-            add_functions(cls.body, rel, method=True)
-            init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-            decorators = {_last(d) for d in cls.decorator_list}
-            if init is not None:
-                params = _function_params(init, method=True)
-                if params is not None:
-                    index[cls.name].append(Signature(cls.name, rel, cls.lineno, params))
-            elif "dataclass" in decorators and not _kw_only(cls.decorator_list):
-                records[cls.name].append((cls, rel))
-            elif any(_last(b) == "NamedTuple" for b in cls.bases):
-                index[cls.name].append(Signature(cls.name, rel, cls.lineno, _own_fields(cls)))
+    add_functions(tree.body, method=False)
+    for cls in classes:
+        add_functions(cls.body, method=True)
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        decorators = {_last(d) for d in cls.decorator_list}
+        if init is not None:
+            params = _function_params(init, method=True)
+            if params is not None:
+                out.definitions.append(Signature(cls.name, rel, cls.lineno, params))
+        elif "dataclass" in decorators and not _kw_only(cls.decorator_list):
+            out.records.append(cls)
+        elif any(_last(b) == "NamedTuple" for b in cls.bases):
+            out.definitions.append(Signature(cls.name, rel, cls.lineno, _own_fields(cls)))
+    return out
+
+
+def _digests(modules: Iterable[tuple[ast.Module, str] | Digest]) -> list[Digest]:
+    return [m if isinstance(m, Digest) else digest(*m) for m in modules]
+
+
+def signatures(digests: list[Digest]) -> dict[str, list[Signature]]:
+    """Every definition of the modules, by its last name."""
+    index: dict[str, list[Signature]] = defaultdict(list)
+    records: dict[str, list[tuple[ast.ClassDef, str]]] = defaultdict(list)  # dataclass name -> (class, file)
+    for d in digests:
+        for sig in d.definitions:
+            index[sig.name].append(sig)
+        for cls in d.records:
+            records[cls.name].append((cls, d.rel))
 
     def fields(cls: ast.ClassDef, seen: frozenset[str]) -> tuple[str, ...] | None:
         inherited: tuple[str, ...] = ()
@@ -253,18 +264,19 @@ def _foreign(imports: list[ast.Import | ast.ImportFrom], ours: set[str]) -> set[
     return out
 
 
-def misplaced(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Misplaced | None, Signature, str, int]]:
+Found = tuple[Misplaced | None, Signature, str, int]
+
+
+def misplaced(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Found]:
     """(finding or ``None`` for a call that agrees, the definition, call file, call line) for every call that
-    passes names of its callee's parameters positionally."""
-    scans: dict[int, _Scan] = {}
-    index = signatures(modules, scans)
-    ours = {_dotted(rel) for _, rel in modules}
-    for tree, rel in modules:
-        scan = scans[id(tree)]
-        foreign = _foreign(scan.imports, ours)
-        for node, caller in scan.calls:
-            if not node.args:
-                continue
+    passes names of its callee's parameters positionally (``modules``: (tree, path) pairs, or their digests)."""
+    digests = _digests(modules)
+    index = signatures(digests)
+    ours = {_dotted(d.rel) for d in digests}
+    for d in digests:
+        rel = d.rel
+        foreign = _foreign(d.imports, ours)
+        for node, caller in d.calls:
             func = node.func.value if isinstance(node.func, ast.Subscript) else node.func  # kernel[grid](...)
             root = func
             while isinstance(root, ast.Attribute):
@@ -284,7 +296,8 @@ def misplaced(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Misplaced
                 yield None, sig, rel, node.lineno
 
 
-def _by_definition(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Signature, list[Misplaced], int, bool]]:
+def _by_definition(modules: Iterable[tuple[ast.Module, str] | Digest]
+                   ) -> Iterator[tuple[Signature, list[Misplaced], int, bool]]:
     """(definition, its misplaced calls, how many calls pass it names, whether the declaration is the odd one
     out) for every definition with a misplaced call."""
     by_def: dict[Signature, list[Misplaced | None]] = defaultdict(list)
@@ -296,7 +309,7 @@ def _by_definition(modules: list[tuple[ast.Module, str]]) -> Iterator[tuple[Sign
             yield sig, bad, len(calls), len(bad) == len(calls) and len({f.moves for f in bad}) == 1 and len(bad) >= 2
 
 
-def call_faults(modules: list[tuple[ast.Module, str]]) -> list[Misplaced]:
+def call_faults(modules: Iterable[tuple[ast.Module, str] | Digest]) -> list[Misplaced]:
     """The misplaced calls that are the call's fault: those of a definition that some calls agree with, or
     that has one naming call alone (either side may be wrong; the call is the smaller edit)."""
     return [f for _, bad, _, odd in _by_definition(modules) if not odd for f in bad]
@@ -310,7 +323,7 @@ def restored_args(call: ast.Call, found: Misplaced) -> dict[int, int] | None:
     return {at: own for _, at, own in found.moves}
 
 
-def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
+def argument_order(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Site]:
     """The built-in check: a site per call in another order than its callee (or per definition that every
     naming call disagrees with; see the module's text)."""
     for sig, bad, calls, odd in _by_definition(modules):

@@ -86,9 +86,15 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
 def _enclosing(tree: ast.AST) -> dict[int, str]:
     """The name of the outermost function around each node (by ``id``), for a site's symbol."""
     out: dict[int, str] = {}
-    for fn in _functions(tree):
-        for node in ast.walk(fn):
-            out.setdefault(id(node), fn.name)
+
+    def visit(node: ast.AST, name: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = name or (child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
+            if inner is not None:
+                out[id(child)] = inner
+            visit(child, inner)
+
+    visit(tree, None)
     return out
 
 
@@ -225,7 +231,7 @@ GIL_HOLDING = ("ctypes.PyDLL", "ctypes.pydll", "ctypes.pythonapi")
 
 
 def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
-    enclosing = _enclosing(tree)
+    enclosing: dict[int, str] = {}  # filled at the first site (most files have none)
     imported = import_aliases(tree)
     inner: set[int] = set()  # a chain's inner names, already reported with the chain they start
     sites = []
@@ -238,6 +244,7 @@ def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
             hit = "PyDLL"  # a PyDLL reached through another module (a re-export, a vendored ctypes)
         if hit is not None:
             inner.update(id(n) for n in ast.walk(node))
+            enclosing = enclosing or _enclosing(tree)
             sites.append(Site(rel, node.lineno, enclosing.get(id(node)),
                               f"{name}: its calls hold the GIL for their whole duration (CDLL releases it)"))
     yield from sorted(sites, key=lambda s: s.line)
@@ -254,7 +261,7 @@ def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
     """Statements that turn tf32 on for the process's fp32 matmuls (``TF32_SWITCHES``): an assignment to the
     flag, or the call, with a value other than the ones that keep fp32 (a value the source does not state
     counts: it may be tf32).  Read through the file's imports (``from torch.backends.cuda import matmul``)."""
-    aliases, enclosing = import_aliases(tree), _enclosing(tree)
+    aliases, enclosing = import_aliases(tree), {}  # the latter filled at the first site
 
     def switched(target: ast.AST, value: ast.AST | None) -> str | None:
         name = resolved_name(target, aliases)
@@ -273,6 +280,7 @@ def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
                      if (n := switched(t, node.value)) is not None]
         elif isinstance(node, ast.Call) and node.args and (n := switched(node.func, node.args[0])) is not None:
             found = [(n, f"{n}({ast.unparse(node.args[0])[:40]})")]
+        enclosing = enclosing or (_enclosing(tree) if found else {})
         for _, text in found:
             yield Site(rel, node.lineno, enclosing.get(id(node)),
                        f"{text}: every later fp32 matmul of the process runs on tf32 tensor cores (about 1e-3 "
@@ -291,7 +299,8 @@ def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
                     yield Site(rel, node.lineno, fn.name, f"division in the kernel's loop: {ast.unparse(node)[:80]}")
 
 
-def argument_order(modules: list[tuple[ast.Module, str]]) -> Iterator[Site]:
+def argument_order(modules: list) -> Iterator[Site]:
+    """(tree, relative path) pairs or their digests (``feedback.argorder.digest``) -> sites."""
     from feedback.argorder import argument_order as check  # it imports Site from here
 
     return check(modules)
@@ -305,8 +314,21 @@ CHECKS: dict[str, tuple[str, Callable[..., Iterator[Site]]]] = {
     "argument_order": ("misplaced_arguments", argument_order),
     "tf32_switch": ("tf32_switches", tf32_switch),
 }
-#: the checks that read every file together: [(tree, relative path), ...] -> sites
+#: the checks that read every file together: [digest of each (tree, relative path), ...] -> sites
 WHOLE_TREE = {"argument_order"}
+
+
+def _digest(name: str) -> Callable[[ast.Module, str], object]:
+    """What a whole-tree check keeps of one module (a large tree is never held whole in memory)."""
+    from feedback.argorder import digest
+
+    return {"argument_order": digest}[name]
+
+#: words without one of which a file cannot hold a site of the check, so it is not parsed for it: each check
+#: matches a name whose last part the source spells out (in the use itself, or in the import that aliases it)
+NEEDLES = {"dot_precision": ("dot",), "kernel_loop_division": ("jit", "autotune", "heuristics"),
+           "gil_native": ("PyDLL", "pydll", "pythonapi"),
+           "tf32_switch": ("allow_tf32", "fp32_precision", "float32_matmul_precision")}
 
 
 def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Path]:
@@ -343,16 +365,19 @@ def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = Non
     root = pathlib.Path(root).resolve()
     sites: list[Site] = []
     unreadable: list[Site] = []
-    modules: list[tuple[ast.Module, str]] = []
+    modules: list = []
     for f in python_files(root, paths):
         rel = f.relative_to(root).as_posix()
+        source = f.read_text(encoding="utf-8", errors="replace")
+        if name in NEEDLES and not any(n in source for n in NEEDLES[name]):
+            continue
         try:
-            tree = parse(f.read_text(encoding="utf-8", errors="replace"), rel)
+            tree = parse(source, rel)
         except SyntaxError as exc:
             unreadable.append(Site(rel, exc.lineno or 0, None, f"does not parse: {exc.msg}"))
             continue
         if name in WHOLE_TREE:
-            modules.append((tree, rel))
+            modules.append(_digest(name)(tree, rel))  # what the check keeps of it: the tree itself is let go
         else:
             sites.extend(sorted(fn(tree, rel), key=lambda site: site.line))
     if name in WHOLE_TREE:

@@ -148,14 +148,16 @@ def render(report: FeedbackReport, console: Console) -> None:
                 elif d.note:
                     arrow += f" ({d.note})"
                 metrics.append(f"[{style}]{d.name} {arrow}[/]" if style else f"{d.name} {arrow}")
-            else:
+            elif r.status != Status.skipped or d.candidate:  # a probe that judged nothing: its zeros say nothing
                 metrics.append(f"{d.name} {_fmt(d.candidate, d.unit)}")
         metrics += curves(r)  # where a curve says more than its numbers: error against partitions
         status = f"[{_STATUS_STYLE[r.status]}]{r.status.value}[/]" + (" (cached)" if r.cached else "")
         row = [c.probe] + ([] if narrow else [c.kind])
         if report.baseline:
             row.append(c.baseline.value if c.baseline else "-")
-        row += [status, "\n".join(metrics) or (r.reason or ""), f"{r.duration_s:.1f}s"]
+        # why a probe judged nothing (skipped here, errored) before what it measured on the way
+        cell = ([escape(r.reason)] if r.reason and r.status != Status.passed else []) + metrics
+        row += [status, "\n".join(cell), f"{r.duration_s:.1f}s"]
         table.add_row(*row)
     console.print(table)
     for line in report.localisations():
@@ -172,4 +174,6 @@ def render(report: FeedbackReport, console: Console) -> None:
         name = f"[{style}]{v.name}[/]" if style else v.name
         console.print(f"candidate against the baseline: {name}: {escape(v.reason)}", highlight=False, soft_wrap=True)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
-    console.print(f"verdict: {verdict} in {report.duration_s:.1f}s")
+    skipped = sum(r.status == Status.skipped for r in report.results)
+    note = f" ({skipped} of {len(report.results)} probes skipped: they judged nothing here)" if skipped else ""
+    console.print(f"verdict: {verdict} in {report.duration_s:.1f}s{note}")

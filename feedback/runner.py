@@ -36,7 +36,7 @@ from collections.abc import Callable
 from feedback import forkserver, jobserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
-from feedback.models import Fingerprint, Metric, ProbeResult, Status
+from feedback.models import Finding, Fingerprint, Metric, ProbeResult, Status
 from feedback.state import StateDir
 from feedback.timing import WITNESS_FD
 from feedback.verdict import combine_runs, repeats_for
@@ -526,7 +526,9 @@ class Runner:
         with tempfile.TemporaryDirectory(prefix="infra-agent-pytest-") as tmp:
             xml = pathlib.Path(tmp) / "junit.xml"
             imports = pathlib.Path(tmp) / "imports.json"
+            # a file that fails to import does not stop the others (pytest's default interrupts the whole run)
             cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
+                              "--continue-on-collection-errors",
                               f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "infra_agent_imports",
                               f"--infra-agent-imports={imports}", f"--infra-agent-tree={self.tree}", *spec.pytest])
             rc, stdout, stderr, secs, timed_out = self._spawn(
@@ -543,23 +545,35 @@ class Runner:
             if timed_out:
                 return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
                                    "process group killed", **base), False
-            if rc == 5 or not xml.is_file():
+            if not xml.is_file():  # (exit 5 with a file: every test skipped itself, which the file says)
                 why = "no tests were collected" if rc == 5 else self._exit_reason(rc or 1)
                 last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip()][-1:]
                 return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
                                    + (f": {last[0][:200]}" if last else ""), **base), False
             try:
-                summary = read_junit(xml, self.tree)
+                summary = read_junit(xml, self.tree, roots=[self.tree / r for r in self.manifest.python_path])
             except ValueError as exc:
                 return ProbeResult(status=Status.error, reason=str(exc), **base), False
         if rc == 4 or summary.tests == 0:  # a node id that names nothing: usage error, or nothing ran
             last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip() and "ERROR" in ln][-1:]
             return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: no test ran"
                                + (f": {last[0][:200]}" if last else ""), **base), False
-        return ProbeResult(status=Status.failed if summary.failed + summary.errors else Status.passed,
-                           metrics={k: Metric(value=v, better="lower" if k in ("failed", "errors") else None)
-                                    for k, v in summary.counts().items()},
-                           findings=summary.findings, **base), True
+        counts = summary.counts()
+        metrics = {k: Metric(value=v, better="lower" if k in ("failed", "errors", "unrunnable") else None)
+                   for k, v in counts.items()}
+        findings = list(summary.findings)
+        if summary.failed + summary.errors:
+            status, reason = Status.failed, None
+        elif not counts["passed"]:
+            # no test judged the code: every one needs what the machine lacks (the machine's, not the tree's; a
+            # candidate that leaves more tests unable to run than its baseline fails: feedback.verdict), or
+            # the tests skipped themselves
+            status, reason = Status.skipped, summary.not_run()[:400]
+        else:
+            status, reason = Status.passed, None
+        if summary.unrunnable and status != Status.skipped:
+            findings.append(Finding(message=f"not run on this machine: {summary.lacking()}"[:400]))
+        return ProbeResult(status=status, reason=reason, metrics=metrics, findings=findings, **base), True
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""

@@ -25,8 +25,9 @@ The noise rule.  A performance metric changes only when the evidence says so:
 
 Verdicts, in the order they win: ``incorrect`` (the judges were changed: see ``harness.judge``; or
 a probe or acceptance criterion that held on the baseline fails on the candidate, errors or times
-out there), ``inconclusive`` (a probe errors or times out on both sides, or the environment failed:
-the probe is broken, not the candidate), ``better`` (a failing probe or criterion now holds),
+out there, or passes fewer of its tests because more of them cannot run on this machine),
+``inconclusive`` (a probe errors or times out on both sides, or the environment failed: the probe
+is broken, not the candidate), ``better`` (a failing probe or criterion now holds),
 ``worse`` (a performance metric regressed beyond the noise), ``better`` (improved beyond the
 noise), ``unchanged``.
 """
@@ -283,6 +284,17 @@ def _device(r: ProbeResult) -> str:
     return f"{r.environment.device} ({r.environment.mode})"
 
 
+def _lost_to_the_machine(b: ProbeResult, r: ProbeResult) -> str | None:
+    """A candidate that passes fewer tests than its baseline because more of them cannot run here (a new
+    third-party import, a CPU path that now asks for CUDA: ``feedback.needs``) broke them on this machine."""
+    count = lambda x, name: x.metrics[name].value if name in x.metrics else 0  # noqa: E731
+    more = count(r, "unrunnable") - count(b, "unrunnable")
+    if more > 0 and count(r, "passed") < count(b, "passed"):
+        why = r.reason or next((f.message for f in r.findings if f.message.startswith("not run")), "")
+        return f"{r.probe}: {more:g} more test(s) than on the baseline cannot run on this machine ({why})"
+    return None
+
+
 def verdict(report: FeedbackReport) -> Verdict:
     """Correctness first, then performance; see the module docstring for the order."""
     base = {r.probe: r for r in report.baseline_results}
@@ -293,6 +305,8 @@ def verdict(report: FeedbackReport) -> Verdict:
         b_status = b.status if b else None
         if r.environment_failure or (b is not None and b.environment_failure):
             broken.append(f"{r.probe} (environment: {_why(r if r.environment_failure else b)})")
+        elif b is not None and (lost := _lost_to_the_machine(b, r)):
+            broke.append(lost)
         elif r.probe in timed and b is not None and _device(r) != _device(b):
             broken.append(f"{r.probe} (timed on {_device(r)} against a baseline timed on {_device(b)}: "
                           "times of different devices are not compared)")

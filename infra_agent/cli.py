@@ -808,6 +808,7 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
     """One session per scenario (or one on the target), their summaries appended as they end."""
     import pathlib
 
+    from feedback.manifest import ManifestError
     from infra_agent.agent import Limits
     from infra_agent.session import make_backend, render_summary, run_session
     from infra_agent.workspace import GitWorkspace, new_session_id
@@ -828,13 +829,18 @@ def _run_sessions(chosen, summaries, target, manifest_file, backend, model, base
                 console.print(f"[bold]{sc.name}[/] ({sc.risk}): {sc.defect.strip()}", highlight=False)
             console.print(f"[bold]session {session}[/] on {ws.target_label}, backend {backend}"
                           + (f" ({be.model})" if getattr(be, "model", None) else "") + f", branch {ws.branch}")
+            if ws.manifest_note:
+                console.print(f"[yellow]{ws.manifest_note}[/]", highlight=False)
         task = goal or (sc.goal.strip() if sc else DEFAULT_GOAL)
         ws.update_meta(goal=task, backend=backend, model=getattr(be, "model", None), base_url=base_url,
                        trajectory=trajectory)
         limits = Limits(max_steps=max_steps, time_limit_s=time_limit, parallel=parallel)
-        outcome, summary = run_session(ws, be, task, limits, jobs=jobs,
-                                       on_event=_events(as_json), scenario=sc,
-                                       executor=ex)
+        try:
+            outcome, summary = run_session(ws, be, task, limits, jobs=jobs,
+                                           on_event=_events(as_json), scenario=sc,
+                                           executor=ex)
+        except ManifestError as exc:  # the judges cannot be read: nothing was judged, nothing is lost
+            fail(f"session {session}: {exc}")
         summaries.append(summary)
         if not as_json:
             render_summary(summary, console.get())

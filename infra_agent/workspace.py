@@ -42,6 +42,14 @@ class Candidate:
     base: str  # the commit the candidate started from
 
 
+def _committed(repo: git.Repo, rel: str) -> bytes | None:
+    """The bytes of ``rel`` as HEAD has it, or None where HEAD has no such file."""
+    try:
+        return (repo.head.commit.tree / rel).data_stream.read()
+    except KeyError:
+        return None
+
+
 class GitWorkspace:
     def __init__(self, repo_dir: pathlib.Path, session: str, state: StateDir, target_label: str):
         self.repo = git.Repo(repo_dir)
@@ -58,6 +66,7 @@ class GitWorkspace:
         self._n = 0
         self.scenario: str | None = None
         self.manifest_file: pathlib.Path | None = None  # a manifest kept outside the tree (--manifest)
+        self.manifest_note: str | None = None  # why the session is judged by a manifest outside its commits
 
     # --- construction -------------------------------------------------------------------------
 
@@ -112,8 +121,16 @@ class GitWorkspace:
             raise ValueError(f"{target} is not the root of a git repository") from exc
         if not repo.head.is_valid():
             raise ValueError(f"{target} has no commits yet")
+        note = None
+        if manifest_file is None and _committed(repo, MANIFEST_NAME) != (target / MANIFEST_NAME).read_bytes():
+            # the session works on commits: a manifest just written by `init` (or edited since) is not in them.
+            # It judges from where it is, as --manifest would, and never enters what the agent edits
+            manifest_file = target / MANIFEST_NAME
+            note = (f"{MANIFEST_NAME} is not committed as it is in the working tree: the session is judged by the "
+                    f"working tree's file, kept outside the session's worktrees (as --manifest {manifest_file})")
         ws = cls(target, session, StateDir.for_target(target), str(target))
         ws.manifest_file = manifest_file
+        ws.manifest_note = note
         ws._write_meta()
         return ws
 

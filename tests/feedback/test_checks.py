@@ -94,7 +94,7 @@ def ext(tmp_path) -> pathlib.Path:
     (root / "pkg" / "__init__.py").write_text("")
     (root / "pkg" / "kernels.py").write_text(KERNELS)
     (root / "pkg" / "core.py").write_text(CORE)
-    (root / "pkg" / "broken.py").write_text("def f(:\n")
+    (root / "pkg" / "broken.py").write_text("def f(:\n    return tl.dot(a, b)\n")  # a file that can hold a dot
     (root / "tests" / "test_core.py").write_text(TESTS)
     (root / "infra-agent.yaml").write_text(textwrap.dedent(MANIFEST))
     return root
@@ -106,6 +106,8 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     dot = _line(KERNELS, "h = tl.dot(state, b)")
     assert (sites[0].file, sites[0].line, sites[0].symbol) == ("pkg/kernels.py", dot, "merge")
     assert any(s.file == "pkg/broken.py" and "does not parse" in s.message for s in sites)  # a finding, no crash
+    # a file whose text cannot hold a site of the check is not parsed for it (feedback.checks.NEEDLES)
+    assert not any(s.file == "pkg/broken.py" for s in run_check("tf32_switch", ext, ["pkg"])[2])
     _, n, sites = run_check("gil_native", ext)
     assert n == 1 and sites[0].line == _line(KERNELS, "PyDLL") and "PyDLL" in sites[0].message
     _, n, sites = run_check("kernel_loop_division", ext, ["pkg/kernels.py"])

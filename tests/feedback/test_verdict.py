@@ -81,6 +81,23 @@ def test_an_environment_failure_is_never_blamed_on_the_candidate():
     assert v.name == "inconclusive" and "environment" in v.reason
 
 
+def test_tests_that_can_no_longer_run_here_are_the_candidates_fault_and_the_same_machine_limits_are_not():
+    """A pytest probe counts the tests this machine cannot run (feedback.needs) apart from failures: the
+    same limits on both sides judge nothing, but a candidate that loses tests to them broke those tests."""
+    def tests(passed: int, unrunnable: int, status: Status = Status.passed, reason: str | None = None):
+        counts = dict(tests=passed + unrunnable, passed=passed, failed=0, unrunnable=unrunnable)
+        return result("c", status, reason, **{k: Metric(value=v) for k, v in counts.items()})
+
+    cpu_only = "cannot run on this machine: 3 tests need a CUDA GPU (Torch not compiled with CUDA enabled)"
+    same = verdict(report([tests(2, 3, reason=cpu_only)], [tests(2, 3, reason=cpu_only)]))
+    assert same.name == "unchanged" and not same.broke
+    lost = verdict(report([tests(0, 5, Status.skipped, "cannot run on this machine: 5 tests need the package "
+                                                         "'tqdm'")], [tests(2, 3)]))
+    assert lost.name == "incorrect" and "2 more test(s)" in lost.reason and "'tqdm'" in lost.reason
+    # more tests collected by a fix of a broken import, each needing the GPU: nothing that ran before is lost
+    assert verdict(report([tests(2, 9)], [tests(2, 3)])).name == "unchanged"
+
+
 def test_a_fix_is_better_and_a_probe_failing_on_both_sides_is_unchanged():
     assert verdict(report([result("c")], [result("c", Status.failed)])).name == "better"
     v = verdict(report([result("c", Status.failed)], [result("c", Status.failed)]))

@@ -1,0 +1,168 @@
+"""A pytest probe on a tree's own tests (feedback/junit.py, feedback/needs.py), through the runner.
+
+The tests run in a real pytest subprocess.  Tests that cannot run on this machine (a third-party
+package the tree imports is missing; no GPU is visible: ``interpret: true`` hides the GPUs, and torch
+says so on a CPU build and on a CUDA build alike) are counted apart from failures and named by what they need;
+failures of the code are bound to the code, grouped where many tests fail the same way at the same
+place; a broken import of the tree's own code is a failure, never the machine's.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+import pytest
+
+from feedback.junit import read_junit
+from feedback.manifest import load_manifest
+from feedback.models import Status
+from feedback.needs import lacks
+from feedback.runner import Runner
+
+FILES = {
+    "pkg/__init__.py": "",
+    "pkg/core.py": """
+        def add(a, b):
+            return a + b
+
+
+        def scale(x, k):
+            if not k:
+                raise ValueError("a zero scale")
+            return x * k
+        """,
+    "pkg/serve.py": "import a_serving_dependency_not_installed_here  # noqa: F401\n",
+    "pkg/wiring.py": "from pkg.renamed_away import handler  # noqa: F401\n",
+    "tests/test_core.py": """
+        import pytest
+
+        from pkg.core import add, scale
+
+
+        def test_add():
+            assert add(1, 2) == 3
+
+
+        @pytest.mark.parametrize("k", [0, 0.0, False])
+        def test_scale(k):
+            assert scale(2.0, k) == 0
+        """,
+    "tests/test_serve.py": """
+        from pkg.serve import a_serving_dependency_not_installed_here
+
+
+        def test_serve():
+            assert a_serving_dependency_not_installed_here
+        """,
+    "tests/test_gpu.py": """
+        import torch
+
+
+        def test_on_the_gpu():
+            assert torch.ones(4, device="cuda").sum().item() == 4
+        """,
+    "tests/test_wiring.py": """
+        from pkg.wiring import handler
+
+
+        def test_handler():
+            assert handler
+        """,
+    "tests/test_big.py": """
+        import pytest
+
+        pytest.skip("needs the 70B checkpoint", allow_module_level=True)
+        """,
+}
+
+MANIFEST = """
+schema_version: 1
+name: own-tests
+probes:
+  - {id: mixed, kind: correctness, pytest: [tests/test_core.py, tests/test_serve.py, tests/test_gpu.py],
+     interpret: true}
+  - {id: machine, kind: correctness, pytest: [tests/test_serve.py, tests/test_gpu.py], interpret: true}
+  - {id: wiring, kind: correctness, pytest: [tests/test_wiring.py]}
+  - {id: big, kind: correctness, pytest: [tests/test_big.py]}
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tree = tmp_path_factory.mktemp("own-tests")
+    for rel, text in FILES.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(textwrap.dedent(text).lstrip())
+    (tree / "infra-agent.yaml").write_text(MANIFEST)
+    manifest = load_manifest(tree)
+    runner = Runner(tree, manifest, use_cache=False, cache_dir=str(tree.parent / "cache"))
+    return {r.probe: r for r in runner.run(manifest.probes)}
+
+
+def test_tests_this_machine_cannot_run_are_counted_apart_and_named_by_what_they_need(results):
+    mixed = results["mixed"]
+    counts = {k: m.value for k, m in mixed.metrics.items()}
+    assert counts == {"tests": 6, "passed": 1, "failed": 3, "errors": 0, "skipped": 0, "unrunnable": 2}, (
+        mixed.reason, mixed.stderr[-2000:])
+    assert mixed.status == Status.failed  # the code's own failure still fails the probe
+    note = [f.message for f in mixed.findings if not f.failed]
+    assert len(note) == 1 and "the package 'a_serving_dependency_not_installed_here'" in note[0]
+    assert "a CUDA GPU" in note[0]
+    machine = results["machine"]
+    assert machine.status == Status.skipped and machine.reason.startswith("cannot run on this machine")
+    assert "a CUDA GPU" in machine.reason and "a_serving_dependency_not_installed_here" in machine.reason
+
+
+def test_tests_that_fail_the_same_way_at_the_same_place_are_one_finding_at_the_code(results):
+    failed = [f for f in results["mixed"].findings if f.failed]
+    assert len(failed) == 1, [f.message for f in failed]
+    f = failed[0]
+    assert "ValueError: a zero scale" in f.message and "and 2 more tests" in f.message
+    assert (f.location.file, f.location.symbol) == ("pkg/core.py", "scale")
+
+
+def test_a_broken_import_of_the_trees_own_code_is_a_failure_bound_to_the_import(results):
+    wiring = results["wiring"]
+    assert wiring.status == Status.failed and "unrunnable" not in wiring.metrics
+    f = wiring.findings[0]
+    # pytest prints an import error as "path:line: in <module>" lines, not as a native traceback
+    assert "No module named 'pkg.renamed_away'" in f.message
+    assert (f.location.file, f.location.symbol) == ("pkg/wiring.py", "<module>")
+
+
+def test_tests_that_all_skip_themselves_judge_nothing(results):
+    big = results["big"]
+    assert big.status == Status.skipped and "needs the 70B checkpoint" in big.reason
+
+
+def test_what_a_failure_says_the_machine_lacks(tmp_path):
+    (tmp_path / "mine").mkdir()
+    roots = [tmp_path]
+    assert lacks("E   ModuleNotFoundError: No module named 'tqdm'", roots) == "the package 'tqdm'"
+    assert lacks("ModuleNotFoundError: No module named 'mine.gone'", roots) is None  # the tree's own
+    assert "another version of 'triton'" in lacks("ImportError: cannot import name 'knobs' from 'triton' (x)", roots)
+    assert lacks("RuntimeError: No CUDA GPUs are available", roots).startswith("a CUDA GPU")
+    assert lacks("RuntimeError: 0 active drivers ([]). There should only be one.", roots).startswith("a CUDA GPU")
+    # a CUDA error while a kernel runs is the code's, and so is an innermost exception after a lacking one
+    assert lacks("RuntimeError: CUDA error: an illegal memory access was encountered", roots) is None
+    chained = "ModuleNotFoundError: No module named 'tqdm'\n\nDuring handling...\n\nValueError: bad shape"
+    assert lacks(chained, roots) is None
+
+
+def test_a_file_that_is_not_junit_is_an_error(tmp_path):
+    bad = tmp_path / "junit.xml"
+    bad.write_text("<testsuite><testcase")
+    with pytest.raises(ValueError, match="not JUnit XML"):
+        read_junit(bad, tmp_path)
+
+
+def test_frames_of_no_file_are_never_bound_to_the_tree(tmp_path: pathlib.Path):
+    from feedback.junit import localise
+
+    text = ('  File "<frozen importlib._bootstrap>", line 690, in _load_unlocked\n'
+            f'  File "{tmp_path}/pkg/a.py", line 3, in f\n')
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    assert localise(text, tmp_path) == ("pkg/a.py", 3, "f")
+    assert localise('  File "<frozen importlib._bootstrap>", line 690, in _load_unlocked\n', tmp_path) is None
