@@ -82,6 +82,7 @@ class JUnitSummary:
     # what this machine lacks -> the tests that needed it (``feedback.needs``)
     needs: dict[str, list[str]] = field(default_factory=dict)
     skip_reasons: dict[str, int] = field(default_factory=dict)  # pytest's skip message -> tests
+    failing: list[str] = field(default_factory=list)  # the ids of the tests that failed or errored
 
     def counts(self) -> dict[str, float]:
         passed = self.tests - self.failed - self.errors - self.skipped - self.unrunnable
@@ -148,6 +149,7 @@ def read_junit(path: pathlib.Path, tree: pathlib.Path, limit: int = 20,
             out.failed += 1
         else:
             out.errors += 1
+        out.failing.append(name)
         site = localise(text, tree)
         where = (Location(file=site[0], symbol=site[2], condition=f"line {site[1]}, in test {name}") if site
                  else Location(file=case.get("file"), condition=f"test {name}"))

@@ -187,6 +187,9 @@ class ProbeResult(_Model):
     # the tree's source files whose modules the probe imported (a Python probe), path -> sha256: a cached
     # result holds only while they are unchanged, those its covers name or not
     imports: dict[str, str] = Field(default_factory=dict)
+    # the ids of the tests that failed or errored (a pytest probe): a probe that fails on both sides is judged
+    # test by test, so a candidate that breaks one more test, or fixes some, says so (feedback.verdict)
+    failing: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -573,7 +573,8 @@ class Runner:
             status, reason = Status.passed, None
         if summary.unrunnable and status != Status.skipped:
             findings.append(Finding(message=f"not run on this machine: {summary.lacking()}"[:400]))
-        return ProbeResult(status=status, reason=reason, metrics=metrics, findings=findings, **base), True
+        return ProbeResult(status=status, reason=reason, metrics=metrics, findings=findings,
+                           failing=summary.failing[:2000], **base), True
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""

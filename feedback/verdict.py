@@ -25,10 +25,11 @@ The noise rule.  A performance metric changes only when the evidence says so:
 
 Verdicts, in the order they win: ``incorrect`` (the judges were changed: see ``harness.judge``; or
 a probe or acceptance criterion that held on the baseline fails on the candidate, errors or times
-out there, or passes fewer of its tests because more of them cannot run on this machine),
-``inconclusive`` (a probe errors or times out on both sides, or the environment failed: the probe
-is broken, not the candidate), ``better`` (a failing probe or criterion now holds),
-``worse`` (a performance metric regressed beyond the noise), ``better`` (improved beyond the
+out there, or passes fewer of its tests because more of them cannot run on this machine, or fails
+on both sides with a test that did not fail on the baseline), ``inconclusive`` (a probe errors or
+times out on both sides, or the environment failed: the probe is broken, not the candidate),
+``better`` (a failing probe or criterion now holds, or tests of a probe failing on both sides now
+pass), ``worse`` (a performance metric regressed beyond the noise), ``better`` (improved beyond the
 noise), ``unchanged``.
 """
 
@@ -295,6 +296,25 @@ def _lost_to_the_machine(b: ProbeResult, r: ProbeResult) -> str | None:
     return None
 
 
+def _newly_failing(b: ProbeResult, r: ProbeResult) -> list[str]:
+    """The tests that fail on the candidate and did not on the baseline (both sides failing, test by test).
+    A test of a file whose import failed on the baseline (its id the file's module) is not new: the
+    baseline never ran it."""
+    if not r.failing or not b.failing:
+        return []
+    before = set(b.failing)
+    modules = tuple(f"{t}{sep}" for t in before if "::" not in t for sep in (".", "::"))
+    return [t for t in r.failing if t not in before and not t.startswith(modules)]
+
+
+def _now_passing(b: ProbeResult, r: ProbeResult) -> int:
+    """How many tests that failed on the baseline pass on the candidate (not merely stopped failing: a test
+    that now skips, or cannot run here, is not counted)."""
+    gone = len(set(b.failing) - set(r.failing)) if b.failing and r.failing else 0
+    passed = lambda x: x.metrics["passed"].value if "passed" in x.metrics else 0  # noqa: E731
+    return int(max(0, min(gone, passed(r) - passed(b))))
+
+
 def verdict(report: FeedbackReport) -> Verdict:
     """Correctness first, then performance; see the module docstring for the order."""
     base = {r.probe: r for r in report.baseline_results}
@@ -312,8 +332,13 @@ def verdict(report: FeedbackReport) -> Verdict:
                           "times of different devices are not compared)")
         elif r.status in _BAD and b_status in _BROKEN and r.status in _BROKEN:
             broken.append(f"{r.probe} ({r.status.value} on both sides: {_why(r)})")
+        elif r.status == b_status == Status.failed and (newly := _newly_failing(b, r)):
+            broke.append(f"{r.probe}: {len(newly)} test(s) that did not fail on the baseline fail: "
+                         + ", ".join(newly[:3]) + (", ..." if len(newly) > 3 else ""))
         elif r.status in _BAD and b_status in _BAD:
             still.append(r.probe)
+            if r.status == b_status == Status.failed and (now_pass := _now_passing(b, r)):
+                fixed.append(f"{r.probe} ({now_pass} of its {len(b.failing)} failing tests now pass)")
         elif r.status in _BAD:
             broke.append(f"{r.probe} {r.status.value}: {_why(r)}")
         elif b_status in _BAD and r.status == Status.passed:

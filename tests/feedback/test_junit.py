@@ -120,6 +120,8 @@ def test_tests_that_fail_the_same_way_at_the_same_place_are_one_finding_at_the_c
     f = failed[0]
     assert "ValueError: a zero scale" in f.message and "and 2 more tests" in f.message
     assert (f.location.file, f.location.symbol) == ("pkg/core.py", "scale")
+    # every failing test is kept by its id, for the judgement test by test (feedback.verdict)
+    assert sorted(results["mixed"].failing) == [f"tests.test_core::test_scale[{k}]" for k in ("0.0", "0", "False")]
 
 
 def test_a_broken_import_of_the_trees_own_code_is_a_failure_bound_to_the_import(results):

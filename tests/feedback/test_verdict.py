@@ -98,6 +98,23 @@ def test_tests_that_can_no_longer_run_here_are_the_candidates_fault_and_the_same
     assert verdict(report([tests(2, 9)], [tests(2, 3)])).name == "unchanged"
 
 
+def test_a_probe_failing_on_both_sides_is_judged_test_by_test():
+    """A user's suite often fails somewhere already: one more failing test is the candidate's, fewer is
+    progress, and tests that stop failing by skipping are not counted as passing."""
+    def tests(failing: list[str], passed: int) -> ProbeResult:
+        r = result("c", Status.failed, passed=Metric(value=passed), failed=Metric(value=len(failing)))
+        return r.model_copy(update={"failing": failing})
+
+    base = tests(["t.test_a::test_x", "t.test_b"], passed=5)  # test_b: a file that failed to import
+    broke = verdict(report([tests(["t.test_a::test_x", "t.test_a::test_y"], 4)], [base]))
+    assert broke.name == "incorrect" and "t.test_a::test_y" in broke.reason and "1 test(s)" in broke.reason
+    # the tests of a file the baseline could not import are not new failures: the baseline never ran them
+    opened = verdict(report([tests(["t.test_a::test_x", "t.test_b::test_z", "t.test_b.TestK::test_w"], 7)], [base]))
+    assert opened.name == "better" and opened.fixed == ["c (1 of its 2 failing tests now pass)"]
+    assert verdict(report([tests(["t.test_a::test_x"], 5)], [base])).name == "unchanged"  # test_b now skips
+    assert verdict(report([tests(list(base.failing), 5)], [base])).name == "unchanged"
+
+
 def test_a_fix_is_better_and_a_probe_failing_on_both_sides_is_unchanged():
     assert verdict(report([result("c")], [result("c", Status.failed)])).name == "better"
     v = verdict(report([result("c", Status.failed)], [result("c", Status.failed)]))
