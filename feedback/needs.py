@@ -12,7 +12,8 @@ It is deliberately narrow, so that a defect is never excused as the machine's:
   of the tree's own code is a defect), and an installed package without a name the tree imports from it
   is named as a version mismatch;
 * a missing GPU counts only on the messages torch, Triton and the CUDA runtime give when there is no
-  usable device or driver, never on a CUDA error raised while a kernel runs.
+  usable device or driver, never on a CUDA error raised while a kernel runs; a missing native library
+  only where the loader says it cannot open it.
 
 The harness still holds a candidate to what its baseline could run: a change that leaves more tests
 unable to run here than before (a new third-party import, a CPU path that now asks for CUDA) fails
@@ -39,6 +40,8 @@ _NO_GPU = (
 )
 _NO_MODULE = re.compile(r"(?:ModuleNotFoundError|ImportError): No module named '(?P<name>[\w.]+)'")
 _NO_NAME = re.compile(r"ImportError: cannot import name '(?P<attr>\w+)' from '(?P<name>[\w.]+)'")
+# a native library the machine does not have (the CUDA runtime of a compiled extension, say)
+_NO_LIBRARY = re.compile(r"(?:ImportError|OSError): (?P<lib>lib[\w+-]+\.so[.\d]*): cannot open shared object file")
 
 
 def provided(name: str, roots: Iterable[pathlib.Path]) -> bool:
@@ -60,6 +63,8 @@ def lacks(text: str, roots: Iterable[pathlib.Path]) -> str | None:
             if provided(m["name"], roots):
                 return None
             return f"another version of '{m['name'].split('.')[0]}' (this one has no '{m['attr']}')"
+        if m := _NO_LIBRARY.search(line):
+            return f"the shared library {m['lib']}"
         for phrase in _NO_GPU:
             if phrase in line:
                 return f"a CUDA GPU ({phrase.strip(' (')})"

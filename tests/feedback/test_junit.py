@@ -145,6 +145,8 @@ def test_what_a_failure_says_the_machine_lacks(tmp_path):
     assert lacks("ModuleNotFoundError: No module named 'mine.gone'", roots) is None  # the tree's own
     assert "another version of 'triton'" in lacks("ImportError: cannot import name 'knobs' from 'triton' (x)", roots)
     assert lacks("RuntimeError: No CUDA GPUs are available", roots).startswith("a CUDA GPU")
+    assert lacks("ImportError: libcudart.so.12: cannot open shared object file: No such file or directory",
+                 roots) == "the shared library libcudart.so.12"
     assert lacks("RuntimeError: 0 active drivers ([]). There should only be one.", roots).startswith("a CUDA GPU")
     # a CUDA error while a kernel runs is the code's, and so is an innermost exception after a lacking one
     assert lacks("RuntimeError: CUDA error: an illegal memory access was encountered", roots) is None
