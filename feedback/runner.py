@@ -496,13 +496,14 @@ class Runner:
 
     def _run_check(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """A built-in static check (feedback/checks.py), in this process: it only reads the tree's source."""
-        from feedback.checks import run_check
+        from feedback.checks import DigestStore, run_check
         from feedback.models import Finding, Location
 
         t0 = time.perf_counter()
         try:
             options = {"every": True} if spec.check == "dot_precision" and spec.params.get("every") else {}
-            metric, count, sites = run_check(spec.check, self.tree, spec.params.get("paths"), **options)
+            metric, count, sites = run_check(spec.check, self.tree, spec.params.get("paths"),
+                                             store=DigestStore(self.cache_dir / "digests"), **options)
         except ValueError as exc:
             return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
         threshold = spec.thresholds.get(metric)

@@ -394,3 +394,32 @@ def test_tf32_switch_finds_each_statement_that_puts_fp32_matmuls_on_tf32(tmp_pat
     assert [(s.line, s.symbol) for s in sites] == [(5, None), (7, None), (8, None), (10, None), (16, "serve")]
     assert "torch.backends.cuda.matmul.allow_tf32 = args.tf32" in sites[1].message
     assert all("tf32 tensor cores" in s.message for s in sites)
+
+
+def test_a_whole_tree_check_keeps_each_files_digest_and_parses_only_what_changed(tmp_path, monkeypatch):
+    """argument_order reads every file together; with a store (the runner's state folder) a second run parses
+    nothing that is unchanged, and a changed file alone, with the same sites as a run without the store."""
+    import feedback.checks as checks
+
+    tree = tmp_path / "t"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "attn.py").write_text("def attend(q, k, v):\n    return q @ k @ v\n")
+    (tree / "pkg" / "use.py").write_text("from pkg.attn import attend\n\n\ndef run(q, k, v):\n"
+                                         "    return attend(k, q, v)\n")
+    for i in range(20):
+        (tree / "pkg" / f"other{i}.py").write_text(f"def g{i}(a, b):\n    return a + b\n")
+    store = checks.DigestStore(tmp_path / "state" / "digests")
+    plain = run_check("argument_order", tree)
+    assert plain[1] >= 1 and run_check("argument_order", tree, store=store) == plain
+    parsed: list[str] = []
+    real = checks.parse
+    monkeypatch.setattr(checks, "parse", lambda source, rel: parsed.append(rel) or real(source, rel))
+    assert run_check("argument_order", tree, store=store) == plain and parsed == []
+    (tree / "pkg" / "use.py").write_text((tree / "pkg" / "use.py").read_text().replace("attend(k, q, v)",
+                                                                                       "attend(q, k, v)"))
+    assert run_check("argument_order", tree, store=store)[1] == 0 and parsed == ["pkg/use.py"]
+    # a digest cut short by a kill is made again, not trusted
+    for kept in (tmp_path / "state" / "digests").rglob("*.pickle"):
+        kept.write_bytes(kept.read_bytes()[:10])
+    parsed.clear()
+    assert run_check("argument_order", tree, store=store)[1] == 0 and len(parsed) == 22
