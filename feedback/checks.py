@@ -91,15 +91,14 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
 def _enclosing(tree: ast.AST) -> dict[int, str]:
     """The name of the outermost function around each node (by ``id``), for a site's symbol."""
     out: dict[int, str] = {}
-
-    def visit(node: ast.AST, name: str | None) -> None:
+    stack: list[tuple[ast.AST, str | None]] = [(tree, None)]  # not recursion: generated files nest deeply
+    while stack:
+        node, name = stack.pop()
         for child in ast.iter_child_nodes(node):
             inner = name or (child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else None)
             if inner is not None:
                 out[id(child)] = inner
-            visit(child, inner)
-
-    visit(tree, None)
+            stack.append((child, inner))
     return out
 
 
@@ -423,6 +422,9 @@ def run_check(name: str, root: str | pathlib.Path, paths: list[str] | None = Non
             tree = parse(source, rel)
         except SyntaxError as exc:
             unreadable.append(Site(rel, exc.lineno or 0, None, f"does not parse: {exc.msg}"))
+            continue
+        except RecursionError:  # an expression nested past the parser's depth (a generated file)
+            unreadable.append(Site(rel, 0, None, "does not parse: nested too deeply for Python's parser"))
             continue
         if name in WHOLE_TREE:
             modules.append(_digest(name)(tree, rel))  # what the check keeps of it: the tree itself is let go

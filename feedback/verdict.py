@@ -285,12 +285,16 @@ def _device(r: ProbeResult) -> str:
     return f"{r.environment.device} ({r.environment.mode})"
 
 
+def _count(r: ProbeResult, name: str) -> float:
+    """A pytest probe's count of tests (``passed``, ``unrunnable``): 0 where it reported none."""
+    return r.metrics[name].value if name in r.metrics else 0
+
+
 def _lost_to_the_machine(b: ProbeResult, r: ProbeResult) -> str | None:
     """A candidate that passes fewer tests than its baseline because more of them cannot run here (a new
     third-party import, a CPU path that now asks for CUDA: ``feedback.needs``) broke them on this machine."""
-    count = lambda x, name: x.metrics[name].value if name in x.metrics else 0  # noqa: E731
-    more = count(r, "unrunnable") - count(b, "unrunnable")
-    if more > 0 and count(r, "passed") < count(b, "passed"):
+    more = _count(r, "unrunnable") - _count(b, "unrunnable")
+    if more > 0 and _count(r, "passed") < _count(b, "passed"):
         why = r.reason or next((f.message for f in r.findings if f.message.startswith("not run")), "")
         return f"{r.probe}: {more:g} more test(s) than on the baseline cannot run on this machine ({why})"
     return None
@@ -311,8 +315,7 @@ def _now_passing(b: ProbeResult, r: ProbeResult) -> int:
     """How many tests that failed on the baseline pass on the candidate (not merely stopped failing: a test
     that now skips, or cannot run here, is not counted)."""
     gone = len(set(b.failing) - set(r.failing)) if b.failing and r.failing else 0
-    passed = lambda x: x.metrics["passed"].value if "passed" in x.metrics else 0  # noqa: E731
-    return int(max(0, min(gone, passed(r) - passed(b))))
+    return int(max(0, min(gone, _count(r, "passed") - _count(b, "passed"))))
 
 
 def verdict(report: FeedbackReport) -> Verdict:

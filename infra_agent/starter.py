@@ -59,7 +59,7 @@ def _read(path: pathlib.Path) -> str:
 def _parse(source: str, name: str) -> ast.Module | None:
     try:
         return parse(source, name)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError):
         return None
 
 

@@ -106,6 +106,10 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     dot = _line(KERNELS, "h = tl.dot(state, b)")
     assert (sites[0].file, sites[0].line, sites[0].symbol) == ("pkg/kernels.py", dot, "merge")
     assert any(s.file == "pkg/broken.py" and "does not parse" in s.message for s in sites)  # a finding, no crash
+    # an expression nested past the parser's depth (a generated file) is a finding too, not a crash
+    (ext / "pkg" / "generated.py").write_text("y = tl.dot(a, b)" + " + a" * 20000 + "\n")
+    deep = run_check("dot_precision", ext, ["pkg"])[2]
+    assert any(s.file == "pkg/generated.py" and "nested too deeply" in s.message for s in deep)
     # a file whose text cannot hold a site of the check is not parsed for it (feedback.checks.NEEDLES)
     assert not any(s.file == "pkg/broken.py" for s in run_check("tf32_switch", ext, ["pkg"])[2])
     _, n, sites = run_check("gil_native", ext)
