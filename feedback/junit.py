@@ -83,6 +83,7 @@ class JUnitSummary:
     needs: dict[str, list[str]] = field(default_factory=dict)
     skip_reasons: dict[str, int] = field(default_factory=dict)  # pytest's skip message -> tests
     failing: list[str] = field(default_factory=list)  # the ids of the tests that failed or errored
+    uncollected: set[str] = field(default_factory=set)  # the test files among them that failed to import
 
     def counts(self) -> dict[str, float]:
         passed = self.tests - self.failed - self.errors - self.skipped - self.unrunnable
@@ -94,8 +95,16 @@ class JUnitSummary:
 
     def lacking(self) -> str:
         """One line: what the tests that could not run here needed ("12 tests need a CUDA GPU (...)")."""
-        return "; ".join(f"{len(names)} test{'s' if len(names) > 1 else ''} need{'' if len(names) > 1 else 's'} "
-                         f"{need} (e.g. {_short(names[0])})" for need, names in self.needs.items())
+        parts = []
+        for need, names in self.needs.items():
+            files = sum(n in self.uncollected for n in names)
+            tests = len(names) - files
+            subject = " and ".join(
+                ([f"{tests} test{'s' if tests > 1 else ''}"] if tests else [])
+                + ([f"the import of {files} test file{'s' if files > 1 else ''}"] if files else []))
+            parts.append(f"{subject} need{'' if tests > 1 or (tests and files) else 's'} {need} "
+                         f"(e.g. {_short(names[0])})")
+        return "; ".join(parts)
 
     def not_run(self) -> str:
         """Why no test ran: what the machine lacks, and pytest's own skip reasons, most frequent first."""
@@ -144,6 +153,8 @@ def read_junit(path: pathlib.Path, tree: pathlib.Path, limit: int = 20,
         if need := lacks(f"{text}\n{message}", roots):
             out.unrunnable += 1
             out.needs.setdefault(need, []).append(name)
+            if message.startswith("collection failure"):
+                out.uncollected.add(name)
             continue
         if kind == "failed":
             out.failed += 1

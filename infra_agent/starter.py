@@ -7,8 +7,9 @@ kernels (``@triton.jit``), the pytest files and the benchmark scripts, reading s
 * the built-in static checks over the kernel files (``dot_precision``, ``kernel_loop_division``)
   and over the packages (``gil_native``, ``argument_order``, ``tf32_switch``); the counts a repository
   already has are held as thresholds (loop divisions, misplaced arguments, tf32 switches: nothing new);
-* one ``pytest`` probe per test file that imports a module with kernels (the kernels' own tests,
-  covering those modules), up to ``max_tests``; other test files are listed, commented out;
+* one ``pytest`` probe per test file that reaches a module with kernels, covering the kernel files it reaches
+  (:class:`_Reach`), up to ``max_tests``: the kernels' own tests first (they import a kernel module
+  themselves), then tests of modules that import kernels; other test files are listed, commented out;
 * benchmark scripts listed as comments: a ``command`` probe needs one JSON object on its last line;
 * the tests, conftest files, reference-looking modules and the manifest protected.
 
@@ -40,7 +41,8 @@ class Inventory:
     kernel_files: list[str] = field(default_factory=list)
     kernels: dict[str, list[str]] = field(default_factory=dict)  # file -> kernel names
     test_files: list[str] = field(default_factory=list)
-    kernel_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports
+    kernel_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it reaches
+    direct_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports itself
     bench_files: list[str] = field(default_factory=list)
     references: list[str] = field(default_factory=list)
 
@@ -78,6 +80,35 @@ def _imports(tree: ast.Module) -> set[str]:
             mods.add(node.module)
             mods.update(f"{node.module}.{a.name}" for a in node.names)
     return mods
+
+
+_FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]*)", re.M)
+_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.M)
+
+
+def _source_imports(source: str, module: str, is_package: bool) -> set[str]:
+    """The dotted names ``source`` imports (``from a.b import c`` names ``a.b`` and ``a.b.c``; relative imports
+    resolved against ``module``), read with two regular expressions: no file is parsed for its imports."""
+    out: set[str] = set()
+    if "import" not in source:
+        return out
+    for m in _IMPORT.finditer(source):
+        out.update(part.split()[0] for part in m.group(1).split(",") if part.split())
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    for m in _FROM.finditer(source):
+        dots, name = len(m.group(1)), m.group(2)
+        if dots:
+            if dots - 1 > len(base):
+                continue
+            parent = base[:len(base) - (dots - 1)]
+            name = ".".join([*parent, name] if name else parent)
+        if not name:
+            continue
+        out.add(name)
+        for item in m.group(3).strip("()").split(","):
+            if (word := item.split()[0] if item.split() else "") and word.isidentifier():
+                out.add(f"{name}.{word}")
+    return out
 
 
 def _module(rel: str, import_root: str) -> str:
@@ -158,12 +189,15 @@ def inspect(root: str | pathlib.Path) -> Inventory:
     inv = Inventory(root=root)
     inv.import_root, declared = _import_root(root)
     inv.packages = [d.relative_to(root).as_posix() for d in _package_dirs(root / inv.import_root, declared)]
+    graph: dict[str, set[str]] = {}  # package module -> the names it imports
     for path in _files(root):
         rel = path.relative_to(root).as_posix()
         if _is_test(rel):
             inv.test_files.append(rel)
         elif any(rel.startswith(p + "/") for p in inv.packages):
             source = _read(path)
+            graph[_module(rel, inv.import_root)] = _source_imports(source, _module(rel, inv.import_root),
+                                                                   path.name == "__init__.py")
             if any(n in source for n in NEEDLES["kernel_loop_division"]) and (tree := _parse(source, rel)) \
                     and (names := _kernel_names(tree)):
                 inv.kernel_files.append(rel)
@@ -173,24 +207,80 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
             inv.references.append(rel)
     modules = {_module(f, inv.import_root): f for f in inv.kernel_files}
-    # an import of a kernel module, or of its package, spells the last part of that name
-    words = {part.rpartition(".")[2] for mod in modules for part in (mod, mod.rpartition(".")[0]) if part}
     broad = max(4, len(modules) // 4)  # `import pkg` names every kernel: it says nothing about what is tested
+    reach = _Reach(graph, modules, broad)
+    # an import of a module that reaches a kernel module, or of its package, spells the last part of that name
+    words = {part.rpartition(".")[2] for mod in reach.relevant() for part in (mod, mod.rpartition(".")[0]) if part}
     for test in inv.test_files if words else []:
         source = _read(root / test)
         if not any(w in source for w in words) or (tree := _parse(source, test)) is None:
             continue
         hit: set[str] = set()
+        direct: set[str] = set()
         for m in _imports(tree):
-            # the module itself, a name from it, or its own package (`from pkg.ops.kda import chunk_kda`);
-            # not an ancestor further up (`import pkg` names every kernel of the package)
-            files = {f for mod, f in modules.items()
-                     if m == mod or m.startswith(mod + ".") or mod.rpartition(".")[0] == m}
-            if len(files) <= broad:
-                hit |= files
+            hit |= reach.files(m)
+            direct |= reach.files(m, hops=0)
         if hit:
             inv.kernel_tests[test] = sorted(hit)
+        if direct:
+            inv.direct_tests[test] = sorted(direct)
     return inv
+
+
+class _Reach:
+    """The kernel files an imported name reaches: the kernel module itself, a name from it, or its own package
+    (``from pkg.ops.kda import chunk_kda``), then, hop by hop, the kernel modules that the package modules
+    reached so far import (a test of ``mamba3_siso_combined``, which has no kernel, tests the forward and
+    backward kernel files it imports), for as long as the files stay few: an import that reaches more than
+    ``broad`` kernel files names the package's kernels, not what the test tests (``import pkg``), and keeps
+    only the hops before it went broad."""
+
+    HOPS = 3
+
+    def __init__(self, graph: dict[str, set[str]], kernel_modules: dict[str, str], broad: int) -> None:
+        self.graph, self.kernel_modules, self.broad = graph, kernel_modules, broad
+        self._memo: dict[tuple[str, int], set[str]] = {}
+
+    def _direct(self, name: str) -> set[str]:
+        return {mod for mod in self.kernel_modules
+                if name == mod or name.startswith(mod + ".") or mod.rpartition(".")[0] == name}
+
+    def _module_of(self, name: str) -> str | None:
+        while name and name not in self.graph:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def files(self, name: str, hops: int = HOPS) -> set[str]:
+        if (name, hops) not in self._memo:
+            self._memo[name, hops] = {self.kernel_modules[m] for m in self._walk(name, hops)}
+        return self._memo[name, hops]
+
+    def _walk(self, name: str, hops: int) -> set[str]:
+        found = self._direct(name)
+        if len(found) > self.broad or (start := self._module_of(name)) is None:
+            return found if len(found) <= self.broad else set()
+        seen, frontier = {start}, {start}
+        for _ in range(hops):
+            nxt = {mod for m in frontier for n in self.graph.get(m, ())
+                   if (mod := self._module_of(n)) is not None and mod not in seen}
+            more = found | {m for m in nxt if m in self.kernel_modules}
+            if not nxt or len(more) > self.broad:
+                break
+            found, seen, frontier = more, seen | nxt, nxt
+        return found
+
+    def relevant(self) -> set[str]:
+        """The package modules from which some kernel module is at most :attr:`HOPS` imports away."""
+        importers: dict[str, set[str]] = {}
+        for m, names in self.graph.items():
+            for n in names:
+                if (mod := self._module_of(n)) is not None:
+                    importers.setdefault(mod, set()).add(m)
+        out = frontier = set(self.kernel_modules)
+        for _ in range(self.HOPS):
+            frontier = {i for m in frontier for i in importers.get(m, ())} - out
+            out = out | frontier
+        return out
 
 
 class _NoAliases(yaml.SafeDumper):
@@ -228,9 +318,12 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
                        "description": "no new statement puts the process's fp32 matmuls on tf32",
                        "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60,
                        "thresholds": {"tf32_switches": {"max": _count(inv, "tf32_switch", inv.packages)}}})
-    # the most focused tests first (fewest kernel files each), one per set of kernel files
+    # a kernel's own tests first (those that import a kernel module themselves, the most focused first: fewest
+    # kernel files each), then tests that reach kernels through other modules; one per set of kernel files
     chosen, seen = [], set()
-    for t in sorted(inv.kernel_tests, key=lambda t: (len(inv.kernel_tests[t]), t)):
+    direct = inv.direct_tests
+    for t in sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
+                                                     len(inv.kernel_tests[t]), t)):
         key = tuple(inv.kernel_tests[t])
         if key not in seen and len(chosen) < max_tests:
             chosen.append(t)

@@ -112,6 +112,9 @@ def test_tests_this_machine_cannot_run_are_counted_apart_and_named_by_what_they_
     machine = results["machine"]
     assert machine.status == Status.skipped and machine.reason.startswith("cannot run on this machine")
     assert "a CUDA GPU" in machine.reason and "a_serving_dependency_not_installed_here" in machine.reason
+    # a file that cannot even be imported is said to be one, not counted as if it were one test
+    assert "1 test needs a CUDA GPU" in machine.reason, machine.reason
+    assert "the import of 1 test file needs the package 'a_serving_dependency_not_installed_here'" in machine.reason
 
 
 def test_tests_that_fail_the_same_way_at_the_same_place_are_one_finding_at_the_code(results):

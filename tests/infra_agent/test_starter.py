@@ -11,7 +11,7 @@ import sys
 import git
 import yaml
 
-from infra_agent.starter import inspect
+from infra_agent.starter import inspect, starter_manifest
 
 KERNEL = '''
 import triton
@@ -159,3 +159,46 @@ def test_inspect_finds_packages_where_the_packaging_puts_them(tmp_path):
         (undeclared / rel).parent.mkdir(parents=True, exist_ok=True)
         (undeclared / rel).write_text("x = 1\n")
     assert (inspect(undeclared).import_root, inspect(undeclared).packages) == ("python", ["python/eng"])
+
+
+def test_a_test_of_a_wrapper_covers_the_kernel_files_the_wrapper_imports(tmp_path):
+    # mamba's layout: the test imports a module with no kernel (`combined`), which imports the forward and
+    # backward kernel files, one relatively and one absolutely, and a layer two hops away imports them all
+    kernel = KERNEL.replace("scale_kernel", "{name}_kernel")
+    files = {"pkg/__init__.py": "", "pkg/ops/__init__.py": "",
+             **{f"pkg/ops/k{i}.py": kernel.format(name=f"k{i}") for i in range(8)},
+             "pkg/ops/combined.py": "import torch\nfrom .k0 import scale as fwd\n"
+                                    "from pkg.ops.k1 import (\n    scale as bwd,  # the backward\n)\n",
+             "pkg/layer.py": "from pkg.ops import combined\n" + "".join(f"from pkg.ops.k{i} import scale\n"
+                                                                        for i in range(2, 8)),
+             "tests/test_combined.py": "from pkg.ops.combined import fwd\n\n\ndef test_fwd():\n    assert fwd\n",
+             "tests/test_layer.py": "import pkg.layer\n\n\ndef test_layer():\n    assert pkg.layer\n",
+             "tests/test_other.py": "import os\n\n\ndef test_os():\n    assert os\n",
+             "tests/test_k5.py": "from pkg.ops.k5 import scale\n\n\ndef test_k5():\n    assert scale\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    inv = inspect(tmp_path)
+    assert len(inv.kernel_files) == 8
+    assert inv.kernel_tests["tests/test_combined.py"] == ["pkg/ops/k0.py", "pkg/ops/k1.py"]
+    # the layer reaches all eight kernel files in one hop: more than a test of a few kernels names
+    assert "tests/test_layer.py" not in inv.kernel_tests and "tests/test_other.py" not in inv.kernel_tests
+    # a kernel's own test comes before a test that reaches kernels through another module
+    assert inv.direct_tests == {"tests/test_k5.py": ["pkg/ops/k5.py"]}
+    one = yaml.safe_load(starter_manifest(inv, max_tests=1))
+    assert [p["pytest"] for p in one["probes"] if "pytest" in p] == [["tests/test_k5.py"]]
+    both = yaml.safe_load(starter_manifest(inv, max_tests=2))
+    combined = next(p for p in both["probes"] if p.get("pytest") == ["tests/test_combined.py"])
+    assert combined["covers"]["files"] == ["pkg/ops/k0.py", "pkg/ops/k1.py"]
+
+
+def test_imports_are_read_from_the_text_with_relative_names_resolved():
+    from infra_agent.starter import _source_imports
+
+    source = ("import a.b as ab, c\nfrom . import sib\nfrom ..up import (x,\n    y)  # two\n"
+              "    from .deep.er import z; w = 1\nfrom .... import too_far\n")
+    assert _source_imports(source, "pkg.sub.mod", is_package=False) == {
+        "a.b", "c", "pkg.sub", "pkg.sub.sib", "pkg.up", "pkg.up.x", "pkg.up.y", "pkg.sub.deep.er",
+        "pkg.sub.deep.er.z"}
+    # in a package's __init__, `.` is the package itself
+    assert _source_imports("from .k import f\n", "pkg.ops", is_package=True) == {"pkg.ops.k", "pkg.ops.k.f"}
