@@ -104,7 +104,8 @@ class OfflineBackend:
     def _diff(self, pb: Playbook, app) -> str:
         scratch = self.ws.new_candidate()
         try:
-            changed = run_transform(pb, scratch.path, app)
+            # the digests the runner's whole-tree checks keep: a transform that reads the whole tree reads them
+            changed = run_transform(pb, scratch.path, app, knobs={"digest_store": str(self.ws.state.cache / "digests")})
             return self.ws.diff(scratch) if changed else ""
         finally:
             self.ws.discard(scratch)

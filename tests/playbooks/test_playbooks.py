@@ -259,7 +259,11 @@ def kern(a_ptr, b_ptr, N: tl.constexpr):
     h = tl.dot(h,
                b)
     low = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return h + low
+    g = tl.dot(
+        h,
+        b,
+    )
+    return h + low + tl.dot(h, b, out_dtype=tl.float32) + g
 """
 
 
@@ -270,6 +274,9 @@ def test_state_dot_precision_states_fp32_dots_with_a_constant_and_its_fallback(t
     assert run_transform(LIB["tf32x3-fp32-dot-chains"], t, app) == ["k.py"]
     src = (t / "k.py").read_text()
     assert "b, input_precision=FP32_DOT_PRECISION)" in src  # the fp32 chain, by the module's constant
+    # after the last argument: a trailing comma stays valid, a keyword argument stays before it
+    assert "        b, input_precision=FP32_DOT_PRECISION,\n    )" in src
+    assert "tl.dot(h, b, out_dtype=tl.float32, input_precision=FP32_DOT_PRECISION)" in src
     assert "tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))" in src  # bf16 products are exact: left alone
     assert "'tf32x3' if torch.cuda.is_available()" in src and "else 'ieee')" in src and "import torch" in src
     compile(src, "k.py", "exec")
@@ -489,3 +496,33 @@ def test_the_gil_playbook_reads_a_pybind11_binding_that_keeps_the_gil(tmp_path):
     assert app.applies and [m.file for m in app.code_matches] == ["csrc/ext.cpp"], app.reason
     assert not evaluate(LIB["release-gil-native-calls"], evidence,
                         tree(tmp_path / "released", {"csrc/ext.cpp": released})).applies
+
+
+def test_the_argument_order_transform_parses_only_the_matched_files_where_the_check_kept_digests(tmp_path,
+                                                                                                  monkeypatch):
+    # the runner's check keeps a digest of every file; the transform then parses the files it edits and
+    # reads every other file's definitions and calls from those digests, and fixes the same call
+    import playbooks.transforms as transforms
+    from feedback.checks import DigestStore, run_check
+
+    files = {"kern/__init__.py": "", "kern/ops.py": "def mix(q, k, o):\n    return q\n",
+             "kern/use.py": "from kern.ops import mix\n\n\ndef use(q, k, o):\n    mix(q, k, o)\n",
+             **{f"kern/more{i}.py": f"def helper{i}(a, b):\n    return a\n" for i in range(5)},
+             "app/__init__.py": "", "app/run.py": "from kern.ops import mix\n\n\ndef go(q, k, o):\n    mix(k, q, o)\n"}
+    t = tree(tmp_path, files)
+    store = tmp_path / "digests"
+    sites = run_check("argument_order", t, store=DigestStore(store))[2]
+    rep = report(ProbeResult(probe="s.static.argument_order", status=Status.failed, findings=[
+        Finding(message=s.message, location=Location(file=s.file, condition=f"line {s.line}"), failed=True)
+        for s in sites]))
+    app = evaluate(LIB["restore-argument-order"], rep, t)
+    parsed: list[str] = []
+    real = transforms.parse
+    monkeypatch.setattr(transforms, "parse", lambda src, rel: parsed.append(rel) or real(src, rel))
+    assert run_transform(LIB["restore-argument-order"], t, app, knobs={"digest_store": str(store)}) == ["app/run.py"]
+    assert parsed == ["app/run.py"] and "    mix(q, k, o)\n" in (t / "app" / "run.py").read_text()
+    # without a store every file is parsed (and only its digest kept), with the same result
+    (t / "app" / "run.py").write_text(files["app/run.py"])
+    parsed.clear()
+    assert run_transform(LIB["restore-argument-order"], t, app) == ["app/run.py"]
+    assert len(parsed) == len(files) and "    mix(q, k, o)\n" in (t / "app" / "run.py").read_text()
