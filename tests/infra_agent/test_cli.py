@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import git
+import pytest
 
 from feedback.targets import materialize_bundled
 from tests.support.toy_agent import env_without_keys, make_toy
@@ -101,6 +102,9 @@ def test_feedback_cli_changed_from_catches_an_implicit_tf32_merge(tmp_path):
                for c in data["comparisons"] for line in c["localisation"])
 
 
+# a whole scenario, then its re-validation on the merged tree: on an H100 with the GPU probes compiling their
+# kernels, longer than `.ci/gpu`'s per-test limit (300 s; 2026-12-07); its subprocesses have limits of their own
+@pytest.mark.timeout(1500)
 def test_run_a_scenario_offline_then_approve_its_held_fix(tmp_path):
     """The founding GIL case from a clean checkout: the offline session finds the starved transfer
     thread through the events probe, the fix is held as concurrency, the summary says the scenario's
