@@ -39,7 +39,8 @@ class Base(BaseModel):
     # bundled: the bundled target_stack as installed today, with base_patch applied (a scenario)
     base_patch: str = ""
     scenario: str | None = None
-    # git: an exported commit of a repository
+    # git: an exported commit of a repository (``repo``: where it was when recorded; a clone elsewhere, such as
+    # CI's, is found by the replay)
     repo: str | None = None
     commit: str | None = None
 
@@ -199,7 +200,39 @@ def _git_apply(tree: pathlib.Path, diff: str, what: str) -> None:
         raise RecordError(f"the {what} no longer applies: " + (proc.stderr.strip().splitlines() or ["?"])[0])
 
 
-def rebuild_base(base: Base, dest: pathlib.Path) -> pathlib.Path:
+def _holding(base: Base, near: list[pathlib.Path]) -> tuple[pathlib.Path, str, str | None]:
+    """(repository root, path of the target in it, a note) of the first repository that holds the base commit:
+    the one recorded, else the repository of each folder in ``near`` (the record's own, the current one): a
+    record kept in the target's repository is replayed from any clone of it, wherever it is checked out (a
+    session's target is the root of its repository)."""
+    from feedback.changes import commit_of, repo_root
+
+    tried: list[str] = []
+    seen: set[pathlib.Path] = set()
+    recorded = pathlib.Path(base.repo) if base.repo else None
+    if recorded is not None and recorded.is_dir() and (root := repo_root(recorded)) is not None:
+        if commit_of(root, base.commit or "HEAD"):
+            return root, recorded.resolve().relative_to(root).as_posix(), None
+        seen.add(root)
+        tried.append(f"{recorded} (has no commit {(base.commit or 'HEAD')[:12]})")
+    else:
+        tried.append(f"{base.repo} (gone)")
+    for folder in near:
+        root = repo_root(folder) if folder.is_dir() else None
+        if root is None or root in seen:
+            continue
+        seen.add(root)
+        if base.commit and commit_of(root, base.commit):
+            return root, "", f"base {base.commit[:12]} found in {root} ({base.repo} is not here)"
+        shallow = (root / ".git" / "shallow").is_file()
+        tried.append(f"{root} (has no commit {(base.commit or 'HEAD')[:12]}"
+                     + ("; a shallow clone: fetch its history" if shallow else "") + ")")
+    raise RecordError(f"the base commit {(base.commit or 'HEAD')[:12]} is in none of: {'; '.join(tried)}")
+
+
+def rebuild_base(base: Base, dest: pathlib.Path, near: list[pathlib.Path] = ()) -> pathlib.Path:
+    """The base tree written into ``dest``: the bundled target with its scenario's patch, or a commit of the
+    target's repository, wherever that repository is here (:func:`_holding`)."""
     if base.kind == "bundled":
         from feedback.targets import materialize_bundled
 
@@ -208,12 +241,26 @@ def rebuild_base(base: Base, dest: pathlib.Path) -> pathlib.Path:
         return tree
     from feedback.targets import export_revision
 
-    if not base.repo or not pathlib.Path(base.repo).exists():
-        raise RecordError(f"the base repository {base.repo} is gone")
+    root, subdir, _ = _holding(base, list(near))
     try:
-        return export_revision(base.repo, base.commit or "HEAD", dest)
+        return export_revision(root, base.commit or "HEAD", dest) / subdir
     except Exception as exc:
-        raise RecordError(f"cannot rebuild the base {base.repo}@{base.commit}: {exc}") from exc
+        raise RecordError(f"cannot rebuild the base {root}@{base.commit}: {exc}") from exc
+
+
+def _manifest_here(rec: ExperimentRecord, near: list[pathlib.Path]) -> str | None:
+    """The manifest a record was judged by, where it is on this machine: its recorded path, else (a manifest
+    in the target's working tree, not yet committed when the session ran) the same path in the repository
+    the base was found in."""
+    if rec.manifest is None or pathlib.Path(rec.manifest).is_file() or rec.base.kind != "git" or not rec.base.repo:
+        return rec.manifest
+    try:
+        rel = pathlib.Path(rec.manifest).relative_to(rec.base.repo)
+        root, subdir, _ = _holding(rec.base, near)
+    except (ValueError, RecordError):
+        return rec.manifest
+    here = root / subdir / rel
+    return str(here) if here.is_file() else rec.manifest
 
 
 def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
@@ -228,11 +275,12 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
         rec = load_record(path)
     except RecordError as exc:
         return ReplayResult(record=path.stem, path=str(path), status="stale", reason=str(exc))
+    near = [path.resolve().parent, pathlib.Path.cwd()]
     with tempfile.TemporaryDirectory(prefix="infra-agent-replay-") as tmp:
         try:
-            tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree")
+            tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree", near)
             _git_apply(tree, rec.diff, "diff")
-            manifest = load_manifest(tree, rec.manifest)
+            manifest = load_manifest(tree, _manifest_here(rec, near))
         except Exception as exc:  # noqa: BLE001 - RecordError, ManifestError, OSError: the record is stale
             return ReplayResult(record=rec.id, path=str(path), status="stale", reason=str(exc),
                                 duration_s=time.perf_counter() - t0)
@@ -251,7 +299,7 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
             report = judge(tree, manifest=manifest, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False)
             results, judges = report.results, {**report.hashes}
         if perf:
-            base = rebuild_base(rec.base, pathlib.Path(tmp) / "base")
+            base = rebuild_base(rec.base, pathlib.Path(tmp) / "base", near)
             report = judge(tree, manifest=manifest, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False,
                            baseline_tree=base, baseline_label="the record's base",
                            baseline_manifest=manifest if rec.manifest else None)
@@ -266,6 +314,8 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                                             recorded_acceptance=[CriterionResult.model_validate(a)
                                                                  for a in rec.acceptance] or None)
     details += confirmations
+    if rec.base.kind == "git" and (moved := _holding(rec.base, near)[2]):
+        details.append(moved)
     other = sorted(p for p in rec.judges if p in judges and judges[p] != rec.judges[p])
     if other:  # the verdicts above are today's judges' word on the recorded patch, not the recorded ones'
         details.append(f"judged by other judges than recorded: {len(other)} file(s) changed since "

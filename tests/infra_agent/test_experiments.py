@@ -172,3 +172,52 @@ def test_a_replayed_slowdown_counts_only_where_both_runs_agree_on_the_metric():
     assert [d.verdict for d in judged[0].deltas] == ["unchanged", "regressed"]
     assert "tpot_ms worse again in a second: counted" in notes[0]
     assert replay_regressions(then, now, [], against_base=judged)[0]
+
+
+def test_a_record_kept_in_the_targets_repository_replays_from_a_clone_elsewhere(tmp_path, monkeypatch):
+    """CI replays a user's records from its own clone: the recorded repository path is gone there. The base is
+    found in the repository the record is kept in (or the current one); a shallow clone without the base
+    commit is stale, and says so."""
+    import git
+
+    from infra_agent.agent import Agent, Limits
+    from infra_agent.backends.openai_backend import OpenAIBackend
+    from infra_agent.workspace import GitWorkspace
+    from tests.support.chat import ScriptedServer, ok, tool_call
+    from tests.support.toy_agent import ACTOR, FIX, make_toy
+
+    mono = make_toy(tmp_path / "engine")
+    repo = git.Repo(mono)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-replay-0123456789")
+    with ScriptedServer([ok(tool_call("propose_patch", hypothesis="fix", diff=FIX)),
+                         ok(tool_call("finish", summary="done"))]) as server:
+        ws = GitWorkspace.external(mono, "rec")
+        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "g", Limits(max_steps=3))
+        agent.run()
+        ws.close()
+    (record,) = sorted(ws.state.experiments.glob("*.yaml"))
+    rec = load_record(record)
+    assert (rec.base.kind, rec.base.commit) == ("git", repo.head.commit.hexsha)
+    (mono / "experiments").mkdir()
+    shutil.copy(record, mono / "experiments" / record.name)
+    repo.git.add(A=True)
+    repo.index.commit("the record, kept", author=ACTOR, committer=ACTOR)
+    clone = tmp_path / "ci" / "checkout"
+    git.Repo.clone_from(mono, clone)
+    shutil.rmtree(mono)  # the recorded repository is not on the machine that replays
+    monkeypatch.chdir(tmp_path)  # the clone is found through the record's own folder
+    r = replay(clone / "experiments" / record.name)
+    assert r.status == "pass", r
+    assert any(d.startswith(f"base {rec.base.commit[:12]} found in {clone.resolve()}") for d in r.details), r.details
+    # a session judged by a manifest not yet committed records its path in the working tree; the same path in
+    # the clone judges the replay
+    from infra_agent.experiments import _manifest_here
+
+    uncommitted = rec.model_copy(update={"manifest": str(mono / "infra-agent.yaml")})
+    assert _manifest_here(uncommitted, [clone]) == str(clone.resolve() / "infra-agent.yaml")
+    shallow = tmp_path / "ci" / "shallow"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", clone.resolve().as_uri(), str(shallow)], check=True)
+    monkeypatch.chdir(shallow)
+    r = replay(shallow / "experiments" / record.name)
+    assert r.status == "stale" and "a shallow clone: fetch its history" in r.reason, r
+    assert f"{mono} (gone)" in r.reason
