@@ -28,6 +28,7 @@ from infra_agent.prefetch import judge_ahead, judge_together
 from infra_agent.review import ReviewQueue
 from infra_agent.tools import Action, Environment, render_report
 from infra_agent.trajectory import Trajectory
+from infra_agent.workspace import commit_message
 
 
 @dataclasses.dataclass
@@ -278,7 +279,8 @@ class Agent:
             lines.append("decision: discarded; the baseline is unchanged")
         elif assessment.held:
             record.decision = "held"
-            record.branch = self.ws.keep_for_review(cand, f"{hypothesis}\n\nplaybook: {playbook or '-'}")
+            record.branch = self.ws.keep_for_review(cand, commit_message(hypothesis, trailers={
+                "playbook": playbook or "-", "held for review": ", ".join(assessment.categories)}))
             self.ws.discard(cand)
             record.review_id = self.queue.add(
                 target=self.ws.target_label, repo=str(self.ws.root), session=self.ws.session,
@@ -291,7 +293,7 @@ class Agent:
             lines += [f"  gate: {r}" for r in gate.by_line(assessment.findings)[:8]]
         else:
             record.decision = "accepted"
-            record.commit = self.ws.accept(cand, f"{hypothesis}\n\nplaybook: {playbook or '-'}")
+            record.commit = self.ws.accept(cand, commit_message(hypothesis, trailers={"playbook": playbook or "-"}))
             self.ws.discard(cand)
             self.feedback = self.judge_baseline()
             lines.append(f"decision: accepted as {record.commit[:10]}; it is the new baseline")

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from feedback.harness import judge
 from feedback.manifest import load_manifest
 from infra_agent.experiments import RecordError, settle_record
-from infra_agent.workspace import ACTOR
+from infra_agent.workspace import ACTOR, commit_message
 
 STATES = ("pending", "approving", "approved", "rejected", "applied")
 
@@ -295,7 +295,10 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
         try:
             w = git.Repo(wt)
             try:
-                w.git.merge("--no-ff", "--no-edit", item.candidate_branch,
+                message = commit_message(f"Merge review item {item.id}, approved by {who}: {item.hypothesis}",
+                                         trailers={"candidate branch": item.candidate_branch,
+                                                   "playbook": item.playbook or "-"})
+                w.git.merge("--no-ff", "-m", message, item.candidate_branch,
                             env={"GIT_AUTHOR_NAME": ACTOR.name, "GIT_AUTHOR_EMAIL": ACTOR.email,
                                  "GIT_COMMITTER_NAME": ACTOR.name, "GIT_COMMITTER_EMAIL": ACTOR.email})
             except git.GitCommandError as exc:

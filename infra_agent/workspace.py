@@ -35,6 +35,22 @@ def new_session_id() -> str:
     return _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
 
 
+def commit_message(text: str, *, trailers: dict[str, str] | None = None, width: int = 72) -> str:
+    """A commit message for ``text`` (a hypothesis: often one long paragraph with its evidence): its first
+    sentence as a subject of at most ``width`` characters, the whole text wrapped below it, then the
+    ``trailers`` (``playbook: ...``), so that ``git log --oneline`` reads as a list of changes."""
+    import re
+    import textwrap
+
+    text = " ".join(text.split()) or "(no hypothesis given)"
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    subject = first if len(first) <= width else first[:width - 1].rsplit(" ", 1)[0].rstrip(" ,;:") + "\u2026"
+    body = [] if subject == text.rstrip(".") else [textwrap.fill(text, width, break_long_words=False,
+                                                                  break_on_hyphens=False)]
+    tail = [f"{k}: {v}" for k, v in (trailers or {}).items()]
+    return "\n\n".join([subject, *body, *(["\n".join(tail)] if tail else [])]) + "\n"
+
+
 @dataclass
 class Candidate:
     name: str

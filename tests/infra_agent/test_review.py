@@ -188,6 +188,10 @@ def test_approval_merges_revalidates_and_applies(tmp_path, monkeypatch):
     assert item["state"] == "applied" and item["settled_by"] == "carol"
     head = repo.heads[ws.branch].commit
     assert head.hexsha == item["applied_commit"] != before and len(head.parents) == 2
+    # the history reads as a list of changes: the merge and the held candidate each say what they are
+    assert head.message.splitlines()[0] == "Merge review item 1, approved by carol: compute is off by 0.5"
+    (candidate,) = [c for c in head.parents if c.hexsha != before]
+    assert candidate.message == "compute is off by 0.5\n\nplaybook: -\nheld for review: numerics\n", candidate.message
     assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return max(1.0, 1e-12)"
     assert repo.active_branch.name == "main" and not repo.is_dirty(untracked_files=True)
     from infra_agent.experiments import load_record

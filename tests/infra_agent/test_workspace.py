@@ -69,3 +69,20 @@ def test_init_then_run_without_a_commit_through_the_cli(repo, tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "is not committed as it is in the working tree" in run.stdout
     assert "Traceback" not in run.stdout + run.stderr
+
+
+def test_a_commit_message_has_a_short_subject_and_the_whole_hypothesis_below():
+    from infra_agent.workspace import commit_message
+
+    long = ("Pass positional arguments in the order the callee declares. Evidence: static.argument_order: "
+            "`_silu_and_mul_kernel` (lmdeploy/pytorch/kernels/cuda/activation.py:18) declares (gateup_ptr, out_ptr, "
+            "N, M); its one call passes `M` as parameter 3")
+    msg = commit_message(long, trailers={"playbook": "restore-argument-order"})
+    subject, blank, *rest = msg.splitlines()
+    assert subject == "Pass positional arguments in the order the callee declares" and blank == ""
+    assert all(len(line) <= 72 for line in rest if " " in line)
+    assert " ".join(rest[:-2]).split() == long.split() and rest[-1] == "playbook: restore-argument-order"
+    one = "State the precision of the fp32 dot chains of the merge kernels, with tf32x3 where tf32 exists"
+    cut = commit_message(one).splitlines()
+    assert len(cut[0]) <= 72 and cut[0].endswith("\u2026") and " ".join(cut[2:]) == one
+    assert commit_message("fix the merge") == "fix the merge\n" and commit_message("  ") == "(no hypothesis given)\n"
