@@ -26,6 +26,8 @@ import pathlib
 import re
 from collections.abc import Iterable
 
+from feedback.submodules import not_checked_out
+
 # the exception lines torch, Triton and the CUDA runtime give where no usable GPU or driver exists
 _NO_GPU = (
     "Torch not compiled with CUDA enabled",
@@ -58,7 +60,12 @@ def lacks(text: str, roots: Iterable[pathlib.Path]) -> str | None:
     for line in reversed(text.strip().splitlines()):
         line = re.sub(r"^E\s+", "", line.strip())
         if m := _NO_MODULE.search(line):
-            return None if provided(m["name"], roots) else f"the package '{m['name'].split('.')[0]}'"
+            if provided(m["name"], roots):
+                return None
+            top = m["name"].split(".")[0]
+            sub = next((s for r in roots if (s := not_checked_out(r, top))), None)
+            return f"the package '{top}'" + (f" (in the git submodule {sub}, not checked out: `git submodule "
+                                            f"update --init {sub}`)" if sub else "")
         if m := _NO_NAME.search(line):
             if provided(m["name"], roots):
                 return None

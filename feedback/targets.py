@@ -14,6 +14,7 @@ from feedback.changes import git, resolve_revision
 from feedback.manifest import MANIFEST_NAME
 from feedback.state import NAME as STATE_NAME
 from feedback.state import StateDir
+from feedback.submodules import fill_submodules
 
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", STATE_NAME)
 
@@ -112,3 +113,4 @@ def _export(root: pathlib.Path, commit: str, rev: str, dest: pathlib.Path) -> No
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
+    fill_submodules(root, commit, dest)  # git archive leaves each submodule an empty folder

@@ -127,11 +127,30 @@ def init(
     console.print(f"[green]wrote[/] {out}: {len(written)} probes; found {len(inv.packages)} package(s) "
                   f"({', '.join(inv.packages) or '-'}), {sum(len(k) for k in inv.kernels.values())} Triton kernel(s) "
                   f"in {len(inv.kernel_files)} file(s), {len(inv.test_files)} test file(s) ({len(inv.kernel_tests)} "
-                  f"import kernels; {sum(p.pytest is not None for p in written)} written as pytest probes), "
+                  f"reach kernels; {sum(p.pytest is not None for p in written)} written as pytest probes), "
                   f"{len(inv.bench_files)} benchmark script(s) listed", highlight=False)
+    if (ignored := _ignored_by_git(out)) is not None:
+        console.print(f"[yellow]note:[/] git ignores {out} here ({ignored}): a session judges by this copy as it "
+                      f"is, but it is not committed with the tree; `git add -f {out}` keeps it", highlight=False)
     check = f"infra-agent manifest check {root}" + (f" --manifest {out}" if manifest else "")
     console.print(f"next: [bold]{check}[/], then [bold]infra-agent feedback --target {root}"
                   + (f" --manifest {out}" if manifest else "") + "[/]", highlight=False)
+
+
+def _ignored_by_git(path) -> str | None:
+    """The ignore rule (``.gitignore:33: *.yaml``) by which git ignores ``path``, or None where it does not."""
+    import pathlib
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(path.parent.resolve()), "check-ignore", "-v", path.name],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    source, line, pattern = out.stdout.split("\t")[0].split(":", 2)
+    return f"{pathlib.Path(source).name}:{line}: {pattern}"
 
 
 def _target_root(directory: str | None):

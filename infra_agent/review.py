@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 
 from feedback.harness import judge
 from feedback.manifest import load_manifest
+from feedback.submodules import fill_submodules
 from infra_agent.experiments import RecordError, settle_record
 from infra_agent.workspace import ACTOR, commit_message
 
@@ -292,6 +293,7 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
         wt = pathlib.Path(tmp) / "merge"
         repo.git.worktree("prune")  # the records of merges a killed approval left behind
         repo.git.worktree("add", "--detach", str(wt), old)
+        fill_submodules(pathlib.Path(item.repo), old, wt)
         try:
             w = git.Repo(wt)
             try:

@@ -26,6 +26,7 @@ import git
 from feedback.manifest import MANIFEST_NAME, Manifest, load_manifest
 from feedback.state import NAME as STATE_NAME
 from feedback.state import StateDir
+from feedback.submodules import fill_submodules
 from feedback.targets import materialize_bundled
 
 ACTOR = git.Actor("infra-agent", "infra-agent@localhost")
@@ -211,6 +212,7 @@ class GitWorkspace:
         if path.exists():
             self.repo.git.worktree("remove", "--force", str(path))
         self.repo.git.worktree("add", "--detach", str(path), commit)
+        fill_submodules(self.root, commit, path)  # a worktree leaves each submodule an empty folder
         return path
 
     def baseline(self) -> Candidate:

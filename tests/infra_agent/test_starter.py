@@ -84,8 +84,14 @@ def test_init_writes_a_manifest_that_checks_and_runs(tmp_path):
     assert probes["tests.scale"]["covers"]["files"] == ["src/mylib/ops/scale.py"]
     assert {"tests/**", "src/mylib/ops/naive.py", "infra-agent.yaml"} <= set(data["protected"])
     assert "benchmarks/bench_scale.py" in text and "tests/test_pkg.py" in text  # listed for the user, as comments
+    assert "git ignores" not in out.stdout
     again = _cli("init", str(root), cwd=tmp_path)
     assert again.returncode == 2 and "--force overwrites it" in again.stderr
+    # a repository that ignores every .yaml (native-sparse-attention's .gitignore): the user is told
+    (root / ".gitignore").write_text("# configs\n*.yaml\n")
+    ignored = _cli("init", str(root), "--force", cwd=tmp_path)
+    assert "note: git ignores" in ignored.stdout and ".gitignore:2: *.yaml" in ignored.stdout, ignored.stdout
+    (root / ".gitignore").unlink()
     check = _cli("manifest", "check", str(root), cwd=tmp_path)
     assert check.returncode == 0 and "warning" not in check.stderr, check.stderr
     fb = _cli("feedback", "--target", str(root), "--all", "--json", "--no-cache", cwd=tmp_path)
