@@ -190,6 +190,9 @@ class ProbeResult(_Model):
     # the ids of the tests that failed or errored (a pytest probe): a probe that fails on both sides is judged
     # test by test, so a candidate that breaks one more test, or fixes some, says so (feedback.verdict)
     failing: list[str] = Field(default_factory=list)
+    # the packages its tests could not import (``feedback.needs``): outside the tree and the cache's key, so a
+    # cached result holds only while none of them can be imported yet (installed since, a submodule checked out)
+    absent: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

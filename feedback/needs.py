@@ -78,3 +78,22 @@ def lacks(text: str, roots: Iterable[pathlib.Path]) -> str | None:
         if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", line):
             return None  # the innermost exception is another one: the code's
     return None
+
+
+def absent_package(need: str) -> str | None:
+    """The top-level package a need of :func:`lacks` names as missing ("the package 'tqdm'", "another version
+    of 'vllm' (...)"), or None for another need (a GPU, a shared library)."""
+    m = re.match(r"(?:the package|another version of) '([\w.]+)'", need)
+    return m[1] if m else None
+
+
+def importable(name: str, roots: Iterable[pathlib.Path]) -> bool:
+    """Whether ``name`` can be imported now: from the tree's import ``roots`` or this interpreter's path."""
+    import importlib.util
+
+    if provided(name, roots):
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

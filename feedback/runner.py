@@ -37,6 +37,7 @@ from feedback import forkserver, jobserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
 from feedback.models import Finding, Fingerprint, Metric, ProbeResult, Status
+from feedback.needs import absent_package, importable
 from feedback.state import StateDir
 from feedback.timing import WITNESS_FD
 from feedback.verdict import combine_runs, repeats_for
@@ -210,6 +211,10 @@ class Runner:
         except Exception:  # noqa: BLE001 - a damaged cache entry is a miss
             return None
         if any(self._digest(rel) != digest for rel, digest in hit.imports.items()):
+            return None
+        # a package its tests could not import is there now (installed, a submodule checked out): ask again
+        roots = [self.tree, *(self.tree / r for r in self.manifest.python_path)]
+        if any(importable(name, roots) for name in hit.absent):
             return None
         return hit.model_copy(update={"cached": True})
 
@@ -574,8 +579,9 @@ class Runner:
             status, reason = Status.passed, None
         if summary.unrunnable and status != Status.skipped:
             findings.append(Finding(message=f"not run on this machine: {summary.lacking()}"[:400]))
+        absent = sorted({n for need in summary.needs if (n := absent_package(need))})
         return ProbeResult(status=status, reason=reason, metrics=metrics, findings=findings,
-                           failing=summary.failing[:2000], **base), True
+                           failing=summary.failing[:2000], absent=absent, **base), True
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""

@@ -267,7 +267,8 @@ def _remember(recorder, report, judge_cached) -> None:
     the cache, else the cache's own answer judged once more (``judge_cached``: nothing runs; a probe
     the cache lacks leaves no memo)."""
     def whole(r) -> bool:
-        return all(x.cached for x in [*r.results, *r.baseline_results]) and not r.judges_changed
+        # a result that lacked a package is asked again on each run (the memo cannot see an installation)
+        return all(x.cached and not x.absent for x in [*r.results, *r.baseline_results]) and not r.judges_changed
 
     if recorder.before is None:  # not memoisable (feedback/memo.py says why): no second judgement
         return

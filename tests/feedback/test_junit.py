@@ -173,3 +173,29 @@ def test_frames_of_no_file_are_never_bound_to_the_tree(tmp_path: pathlib.Path):
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
     assert localise(text, tmp_path) == ("pkg/a.py", 3, "f")
     assert localise('  File "<frozen importlib._bootstrap>", line 690, in _load_unlocked\n', tmp_path) is None
+
+
+def test_a_result_that_lacked_a_package_is_not_served_from_the_cache_once_the_package_is_there(tmp_path):
+    # the package is outside the cache's key (not in the tree's covers, not installed): the result keeps its
+    # name, and a cached copy holds only while it still cannot be imported (installed since, a submodule
+    # checked out, here: written into the tree)
+    tree = tmp_path / "tree"
+    for rel in ("pkg/__init__.py", "pkg/serve.py", "tests/test_serve.py"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(textwrap.dedent(FILES[rel]).lstrip())
+    (tree / "infra-agent.yaml").write_text("schema_version: 1\nname: t\nprobes:\n"
+                                           "  - {id: serve, kind: correctness, pytest: [tests/test_serve.py]}\n")
+    manifest = load_manifest(tree)
+
+    def run():
+        runner = Runner(tree, manifest, use_cache=True, cache_dir=str(tmp_path / "cache"))
+        return runner.run(manifest.probes)[0]
+
+    first = run()
+    assert first.status == Status.skipped and first.absent == ["a_serving_dependency_not_installed_here"]
+    assert run().cached  # nothing changed: served
+    dep = tree / "a_serving_dependency_not_installed_here"
+    dep.mkdir()
+    (dep / "__init__.py").write_text("a_serving_dependency_not_installed_here = True\n")
+    now = run()
+    assert not now.cached and now.status == Status.passed and now.absent == [], now.reason
