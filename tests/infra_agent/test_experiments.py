@@ -180,21 +180,11 @@ def test_a_record_kept_in_the_targets_repository_replays_from_a_clone_elsewhere(
     commit is stale, and says so."""
     import git
 
-    from infra_agent.agent import Agent, Limits
-    from infra_agent.backends.openai_backend import OpenAIBackend
-    from infra_agent.workspace import GitWorkspace
-    from tests.support.chat import ScriptedServer, ok, tool_call
-    from tests.support.toy_agent import ACTOR, FIX, make_toy
+    from tests.support.toy_agent import ACTOR, FIX, make_toy, proposed_session
 
     mono = make_toy(tmp_path / "engine")
     repo = git.Repo(mono)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-replay-0123456789")
-    with ScriptedServer([ok(tool_call("propose_patch", hypothesis="fix", diff=FIX)),
-                         ok(tool_call("finish", summary="done"))]) as server:
-        ws = GitWorkspace.external(mono, "rec")
-        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "g", Limits(max_steps=3))
-        agent.run()
-        ws.close()
+    ws, _ = proposed_session(mono, "rec", "fix", FIX, monkeypatch)
     (record,) = sorted(ws.state.experiments.glob("*.yaml"))
     rec = load_record(record)
     assert (rec.base.kind, rec.base.commit) == ("git", repo.head.commit.hexsha)

@@ -20,7 +20,7 @@ from infra_agent.backends.openai_backend import OpenAIBackend
 from infra_agent.review import AlreadySettled, ReviewQueue, apply_approved
 from infra_agent.workspace import GitWorkspace
 from tests.support.chat import ScriptedServer, ok, tool_call
-from tests.support.toy_agent import FIX, env_without_keys, make_toy
+from tests.support.toy_agent import FIX, env_without_keys, make_toy, proposed_session
 
 # an epsilon floor: numerics by the gate's rules (its code, not a comment's words)
 RISKY_FIX = FIX.replace("+    return 1.0", "+    return max(1.0, 1e-12)")
@@ -164,13 +164,7 @@ def test_a_process_killed_while_writing_the_queue_corrupts_and_loses_nothing(tmp
 
 def _held_session(tmp_path, monkeypatch):
     root = make_toy(tmp_path / "toy_target")
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-review-0123456789")
-    with ScriptedServer([ok(tool_call("propose_patch", hypothesis="compute is off by 0.5", diff=RISKY_FIX)),
-                         ok(tool_call("finish", summary="held"))]) as server:
-        ws = GitWorkspace.external(root, "sess")
-        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "fix it", Limits(max_steps=4))
-        agent.run()
-        ws.close()
+    ws, agent = proposed_session(root, "sess", "compute is off by 0.5", RISKY_FIX, monkeypatch)
     (attempt,) = agent.attempts
     assert (attempt.verdict, attempt.decision) == ("better", "held") and attempt.review_id == 1
     return root, ws

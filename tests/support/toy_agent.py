@@ -70,3 +70,21 @@ def env_without_keys() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ZAI_API_KEY")}
+
+
+def proposed_session(root: pathlib.Path, session: str, hypothesis: str, diff: str, monkeypatch, max_steps: int = 4):
+    """A session on ``root`` whose model (a scripted OpenAI-protocol server) proposes ``diff`` once and
+    finishes: (the closed workspace, the agent)."""
+    from infra_agent.agent import Agent, Limits
+    from infra_agent.backends.openai_backend import OpenAIBackend
+    from infra_agent.workspace import GitWorkspace
+    from tests.support.chat import ScriptedServer, ok, tool_call
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-session-0123456789")
+    with ScriptedServer([ok(tool_call("propose_patch", hypothesis=hypothesis, diff=diff)),
+                         ok(tool_call("finish", summary="done"))]) as server:
+        ws = GitWorkspace.external(root, session)
+        agent = Agent(OpenAIBackend(model="m", base_url=server.url), ws, "fix it", Limits(max_steps=max_steps))
+        agent.run()
+        ws.close()
+    return ws, agent
