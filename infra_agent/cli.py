@@ -409,7 +409,9 @@ def gate_cmd(
         from infra_agent.gate import by_line
 
         held = result.decision == "held"
-        console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if held else ""))
+        also = (f" (the rest alone would be held: {', '.join(result.categories)})"
+                if result.refused and result.held else "")
+        console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if held else also))
         for line in by_line(result.findings):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
         if result.refused or result.error:

@@ -334,19 +334,22 @@ def _old_path(header: str) -> str | None:
 
 def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = None) -> Assessment:
     """Classify a parsed patch.  With ``tree`` (the target before the patch) AST checks run too."""
-    for f in patch.files:
-        pat = manifest.is_protected(f.path)
-        if pat:
-            return Assessment(refused=f"{f.path} is protected ({pat}): probes, references, tests and the "
-                                      "manifest judge a change and may not be changed by it")
+    # a protected path refuses the patch; the rest is still classified, so that a person reading an upstream
+    # commit that also changes tests learns what else it would need a reviewer for
+    protected = [(f.path, pat) for f in patch.files if (pat := manifest.is_protected(f.path))]
+    refused = ("; ".join(f"{path} is protected ({pat})" for path, pat in protected[:4])
+               + (f" and {len(protected) - 4} more" if len(protected) > 4 else "")
+               + ": probes, references, tests and the manifest judge a change and may not be changed by it"
+               if protected else None)
     if "\r" in patch.diff:
-        return Assessment(error="the diff has carriage returns (CRLF line endings): it would change line endings, "
-                                "not only content; send it with LF endings")
+        return Assessment(refused=refused, error="the diff has carriage returns (CRLF line endings): it would change "
+                                                 "line endings, not only content; send it with LF endings")
     try:
         sources = _patched_sources(patch, pathlib.Path(tree)) if tree is not None else {}
         added = {f.path: {no for no, _ in f.added} for f in patch.files}
         old_paths = [_old_path(ln) for ln in patch.diff.splitlines() if ln.startswith("--- ")]
-        why = tamper.refusal(patch.diff, patch.paths, [p for p in old_paths if p], sources, added, manifest)
+        why = None if refused else tamper.refusal(patch.diff, patch.paths, [p for p in old_paths if p], sources,
+                                                  added, manifest)
         if why:
             return Assessment(refused=f"the patch reaches what judges it: {why}")
         findings: list[RiskFinding] = []
@@ -378,12 +381,12 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         seen, unique = set(), []
         for f in findings:
             key = (f.rule, f.file, f.line)
-            if key not in seen:
+            if key not in seen and not any(f.file == path for path, _ in protected):
                 seen.add(key)
                 unique.append(f)
-        return Assessment(findings=sorted(unique, key=lambda f: (f.file, f.line, f.category, f.rule)))
+        return Assessment(findings=sorted(unique, key=lambda f: (f.file, f.line, f.category, f.rule)), refused=refused)
     except Exception as exc:  # noqa: BLE001 - a classifier error must hold the patch, never pass it
-        return Assessment(error=f"{type(exc).__name__}: {exc}")
+        return Assessment(refused=refused, error=f"{type(exc).__name__}: {exc}")
 
 
 def assess_text(diff: str, manifest: Manifest, tree: str | pathlib.Path | None = None) -> Assessment:

@@ -100,6 +100,14 @@ def test_protected_paths_are_refused_outright():
     result = assess(Patch.parse(diff("m/p.py", "a", "b")), MANIFEST)
     assert result.decision == "refused" and "m/p.py is protected (m/p.py)" in result.refused
     assert assess(Patch.parse(diff("tests/test_x.py", "a", "b")), MANIFEST).decision == "refused"
+    # an upstream commit that changes a kernel and its tests: refused for the tests, and what the rest would
+    # need a reviewer for is still said (the protected files' own lines are not classified)
+    both = assess(Patch.parse(diff("k.py", "y = x", "y = x.to(torch.bfloat16)")
+                              + diff("tests/test_x.py", "y = x", "y = x.to(torch.float16)")
+                              + diff("tests/test_y.py", "a", "b")), MANIFEST)
+    assert both.decision == "refused" and both.categories == ["numerics"]
+    assert {f.file for f in both.findings} == {"k.py"}
+    assert "tests/test_x.py is protected (tests/**); tests/test_y.py is protected (tests/**)" in both.refused
 
 
 def test_a_classifier_error_counts_as_high_risk(tmp_path):
