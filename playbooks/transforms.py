@@ -22,9 +22,14 @@ PRECISION_CONSTANT = "FP32_DOT_PRECISION"
 
 
 def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str) -> tuple[str, int]:
-    """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` where
-    tf32 tensor cores exist: NVIDIA, compute capability 8.0 or newer; ``fallback`` elsewhere), and the
-    number of characters inserted before the first line that follows the imports."""
+    """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` on NVIDIA
+    builds of torch, ``fallback`` on ROCm, whose Triton has no tf32x3), and the number of characters inserted
+    before the first line that follows the imports.
+
+    It reads only how torch was built, never the device: importing a kernel module must not initialise
+    CUDA (``torch.cuda.get_device_capability`` does; a server that imports its kernels and then forks its
+    workers could not use CUDA in them).  Where tf32 tensor cores are missing (before compute capability
+    8.0, Triton's interpreter) the three tf32 products of tf32x3 are plain fp32 ones: as exact, only slower."""
     from feedback.checks import import_aliases, language_name
 
     imports = [n for n in mod.body if isinstance(n, (ast.Import, ast.ImportFrom))]
@@ -35,11 +40,10 @@ def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str
     after = max((n.end_lineno for n in imports), default=0)
     lines = src.splitlines(keepends=True)
     block = ("" if has_torch else "import torch\n") + ("" if lang else "import triton.language as tl\n") + (
-        f"\n# fp32 dot chains: {precision} where tf32 tensor cores exist (NVIDIA, compute capability >= 8.0), "
-        f"{fallback} elsewhere\n"
-        f"{PRECISION_CONSTANT} = {lang or 'tl'}.constexpr(\n"
-        f"    {precision!r} if torch.cuda.is_available() and torch.version.hip is None\n"
-        f"    and torch.cuda.get_device_capability()[0] >= 8 else {fallback!r})\n")
+        f"\n# fp32 dot chains: {precision} on NVIDIA, {fallback} on ROCm (read from the build: the device is not "
+        f"touched at import)\n"
+        f"{PRECISION_CONSTANT} = {lang or 'tl'}.constexpr({precision!r} if torch.version.hip is None else "
+        f"{fallback!r})\n")
     head = "".join(lines[:after])
     return head + block + "".join(lines[after:]), len(block)
 
