@@ -159,6 +159,11 @@ class Runner:
         self._slots: jobserver.Slots | None = None
         self._slots_lock = threading.Lock()
 
+    @property
+    def import_roots(self) -> list[pathlib.Path]:
+        """Where the tree's modules are imported from (the manifest's ``python_path``, in the tree)."""
+        return [self.tree / r for r in self.manifest.python_path]
+
     # --- cache ------------------------------------------------------------------------------
 
     def covered_files(self, spec: ProbeSpec) -> list[pathlib.Path]:
@@ -177,7 +182,7 @@ class Runner:
             if spec.bench else []
         for entry in dotted:  # the modules a probe runs are part of what it covers
             module = entry.split(":")[0].replace(".", "/")
-            for root in [*self.manifest.probe_roots(), *(self.tree / r for r in self.manifest.python_path)]:
+            for root in [*self.manifest.probe_roots(), *self.import_roots]:
                 for cand in (root / f"{module}.py", root / module / "__init__.py"):
                     if cand.is_file():
                         files.add(cand)
@@ -213,8 +218,7 @@ class Runner:
         if any(self._digest(rel) != digest for rel, digest in hit.imports.items()):
             return None
         # a package its tests could not import is there now (installed, a submodule checked out): ask again
-        roots = [self.tree, *(self.tree / r for r in self.manifest.python_path)]
-        if any(importable(name, roots) for name in hit.absent):
+        if any(importable(name, [self.tree, *self.import_roots]) for name in hit.absent):
             return None
         return hit.model_copy(update={"cached": True})
 
@@ -248,7 +252,7 @@ class Runner:
         env = {k: v for k, v in os.environ.items() if not SECRET_VAR.search(k)}
         if spec is not None:
             env.update(spec.env)  # the manifest's switches; what the harness sets below wins
-        roots = [str(self.tree / r) for r in self.manifest.python_path]
+        roots = [str(r) for r in self.import_roots]
         # probe modules kept outside the tree first (nothing in the tree can stand in for them), then the
         # tree's import roots, then the harness, for feedback.* itself
         probes = [str(r) for r in self.manifest.probe_roots()]
@@ -557,7 +561,7 @@ class Runner:
                 return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
                                    + (f": {last[0][:200]}" if last else ""), **base), False
             try:
-                summary = read_junit(xml, self.tree, roots=[self.tree / r for r in self.manifest.python_path])
+                summary = read_junit(xml, self.tree, roots=self.import_roots)
             except ValueError as exc:
                 return ProbeResult(status=Status.error, reason=str(exc), **base), False
         if rc == 4 or summary.tests == 0:  # a node id that names nothing: usage error, or nothing ran

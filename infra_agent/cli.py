@@ -140,16 +140,17 @@ def init(
 def _ignored_by_git(path) -> str | None:
     """The ignore rule (``.gitignore:33: *.yaml``) by which git ignores ``path``, or None where it does not."""
     import pathlib
-    import subprocess
+
+    from feedback.changes import git
 
     try:
-        out = subprocess.run(["git", "-C", str(path.parent.resolve()), "check-ignore", "-v", path.name],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        out = git(path.parent.resolve(), "check-ignore", "-v", path.name)
+    except OSError:  # no git here
         return None
-    if out.returncode != 0 or not out.stdout.strip():
+    text = out.stdout.decode(errors="replace")
+    if out.returncode != 0 or not text.strip():
         return None
-    source, line, pattern = out.stdout.split("\t")[0].split(":", 2)
+    source, line, pattern = text.split("\t")[0].split(":", 2)
     return f"{pathlib.Path(source).name}:{line}: {pattern}"
 
 

@@ -200,9 +200,9 @@ def _git_apply(tree: pathlib.Path, diff: str, what: str) -> None:
         raise RecordError(f"the {what} no longer applies: " + (proc.stderr.strip().splitlines() or ["?"])[0])
 
 
-def _holding(base: Base, near: list[pathlib.Path]) -> tuple[pathlib.Path, str, str | None]:
-    """(repository root, path of the target in it, a note) of the first repository that holds the base commit:
-    the one recorded, else the repository of each folder in ``near`` (the record's own, the current one): a
+def _holding(base: Base, near: list[pathlib.Path]) -> tuple[pathlib.Path, str | None]:
+    """(repository root, a note) of the first repository that holds the base commit: the one recorded, else
+    the repository of each folder in ``near`` (the record's own, the current one), with a note saying so: a
     record kept in the target's repository is replayed from any clone of it, wherever it is checked out (a
     session's target is the root of its repository)."""
     from feedback.changes import commit_of, repo_root
@@ -212,7 +212,7 @@ def _holding(base: Base, near: list[pathlib.Path]) -> tuple[pathlib.Path, str, s
     recorded = pathlib.Path(base.repo) if base.repo else None
     if recorded is not None and recorded.is_dir() and (root := repo_root(recorded)) is not None:
         if commit_of(root, base.commit or "HEAD"):
-            return root, recorded.resolve().relative_to(root).as_posix(), None
+            return root, None
         seen.add(root)
         tried.append(f"{recorded} (has no commit {(base.commit or 'HEAD')[:12]})")
     else:
@@ -223,16 +223,16 @@ def _holding(base: Base, near: list[pathlib.Path]) -> tuple[pathlib.Path, str, s
             continue
         seen.add(root)
         if base.commit and commit_of(root, base.commit):
-            return root, "", f"base {base.commit[:12]} found in {root} ({base.repo} is not here)"
+            return root, f"base {base.commit[:12]} found in {root} ({base.repo} is not here)"
         shallow = (root / ".git" / "shallow").is_file()
         tried.append(f"{root} (has no commit {(base.commit or 'HEAD')[:12]}"
                      + ("; a shallow clone: fetch its history" if shallow else "") + ")")
     raise RecordError(f"the base commit {(base.commit or 'HEAD')[:12]} is in none of: {'; '.join(tried)}")
 
 
-def rebuild_base(base: Base, dest: pathlib.Path, near: list[pathlib.Path] = ()) -> pathlib.Path:
+def rebuild_base(base: Base, dest: pathlib.Path, repo: pathlib.Path | None = None) -> pathlib.Path:
     """The base tree written into ``dest``: the bundled target with its scenario's patch, or a commit of the
-    target's repository, wherever that repository is here (:func:`_holding`)."""
+    target's repository (``repo``: where that repository is here, :func:`_holding`; default: as recorded)."""
     if base.kind == "bundled":
         from feedback.targets import materialize_bundled
 
@@ -241,25 +241,23 @@ def rebuild_base(base: Base, dest: pathlib.Path, near: list[pathlib.Path] = ()) 
         return tree
     from feedback.targets import export_revision
 
-    root, subdir, _ = _holding(base, list(near))
+    root = repo if repo is not None else _holding(base, [])[0]
     try:
-        return export_revision(root, base.commit or "HEAD", dest) / subdir
+        return export_revision(root, base.commit or "HEAD", dest)
     except Exception as exc:
         raise RecordError(f"cannot rebuild the base {root}@{base.commit}: {exc}") from exc
 
 
-def _manifest_here(rec: ExperimentRecord, near: list[pathlib.Path]) -> str | None:
+def _manifest_here(rec: ExperimentRecord, repo: pathlib.Path | None) -> str | None:
     """The manifest a record was judged by, where it is on this machine: its recorded path, else (a manifest
-    in the target's working tree, not yet committed when the session ran) the same path in the repository
-    the base was found in."""
-    if rec.manifest is None or pathlib.Path(rec.manifest).is_file() or rec.base.kind != "git" or not rec.base.repo:
+    in the target's working tree, not yet committed when the session ran) the same path in ``repo``, the
+    repository the base was found in."""
+    if rec.manifest is None or pathlib.Path(rec.manifest).is_file() or repo is None or not rec.base.repo:
         return rec.manifest
     try:
-        rel = pathlib.Path(rec.manifest).relative_to(rec.base.repo)
-        root, subdir, _ = _holding(rec.base, near)
-    except (ValueError, RecordError):
+        here = repo / pathlib.Path(rec.manifest).relative_to(rec.base.repo)
+    except ValueError:
         return rec.manifest
-    here = root / subdir / rel
     return str(here) if here.is_file() else rec.manifest
 
 
@@ -275,12 +273,14 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
         rec = load_record(path)
     except RecordError as exc:
         return ReplayResult(record=path.stem, path=str(path), status="stale", reason=str(exc))
-    near = [path.resolve().parent, pathlib.Path.cwd()]
+    repo, moved = None, None
     with tempfile.TemporaryDirectory(prefix="infra-agent-replay-") as tmp:
         try:
-            tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree", near)
+            if rec.base.kind == "git":  # the base's repository here, looked up once for every tree below
+                repo, moved = _holding(rec.base, [path.resolve().parent, pathlib.Path.cwd()])
+            tree = rebuild_base(rec.base, pathlib.Path(tmp) / "tree", repo)
             _git_apply(tree, rec.diff, "diff")
-            manifest = load_manifest(tree, _manifest_here(rec, near))
+            manifest = load_manifest(tree, _manifest_here(rec, repo))
         except Exception as exc:  # noqa: BLE001 - RecordError, ManifestError, OSError: the record is stale
             return ReplayResult(record=rec.id, path=str(path), status="stale", reason=str(exc),
                                 duration_s=time.perf_counter() - t0)
@@ -299,7 +299,7 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
             report = judge(tree, manifest=manifest, probe_ids=by_status, run_all=True, jobs=jobs, use_cache=False)
             results, judges = report.results, {**report.hashes}
         if perf:
-            base = rebuild_base(rec.base, pathlib.Path(tmp) / "base", near)
+            base = rebuild_base(rec.base, pathlib.Path(tmp) / "base", repo)
             report = judge(tree, manifest=manifest, probe_ids=perf, run_all=True, jobs=jobs, use_cache=False,
                            baseline_tree=base, baseline_label="the record's base",
                            baseline_manifest=manifest if rec.manifest else None)
@@ -314,7 +314,7 @@ def replay(path: str | pathlib.Path, jobs: int = 2) -> ReplayResult:
                                             recorded_acceptance=[CriterionResult.model_validate(a)
                                                                  for a in rec.acceptance] or None)
     details += confirmations
-    if rec.base.kind == "git" and (moved := _holding(rec.base, near)[2]):
+    if moved:
         details.append(moved)
     other = sorted(p for p in rec.judges if p in judges and judges[p] != rec.judges[p])
     if other:  # the verdicts above are today's judges' word on the recorded patch, not the recorded ones'

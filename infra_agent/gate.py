@@ -341,6 +341,7 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
                + (f" and {len(protected) - 4} more" if len(protected) > 4 else "")
                + ": probes, references, tests and the manifest judge a change and may not be changed by it"
                if protected else None)
+    guarded = {path for path, _ in protected}  # their own lines are not classified
     if "\r" in patch.diff:
         return Assessment(refused=refused, error="the diff has carriage returns (CRLF line endings): it would change "
                                                  "line endings, not only content; send it with LF endings")
@@ -381,7 +382,7 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         seen, unique = set(), []
         for f in findings:
             key = (f.rule, f.file, f.line)
-            if key not in seen and not any(f.file == path for path, _ in protected):
+            if key not in seen and f.file not in guarded:
                 seen.add(key)
                 unique.append(f)
         return Assessment(findings=sorted(unique, key=lambda f: (f.file, f.line, f.category, f.rule)), refused=refused)

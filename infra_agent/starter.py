@@ -196,8 +196,8 @@ def inspect(root: str | pathlib.Path) -> Inventory:
             inv.test_files.append(rel)
         elif any(rel.startswith(p + "/") for p in inv.packages):
             source = _read(path)
-            graph[_module(rel, inv.import_root)] = _source_imports(source, _module(rel, inv.import_root),
-                                                                   path.name == "__init__.py")
+            name = _module(rel, inv.import_root)
+            graph[name] = _source_imports(source, name, path.name == "__init__.py")
             if any(n in source for n in NEEDLES["kernel_loop_division"]) and (tree := _parse(source, rel)) \
                     and (names := _kernel_names(tree)):
                 inv.kernel_files.append(rel)

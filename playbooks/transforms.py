@@ -168,12 +168,11 @@ def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: 
     calls) is kept, read from the harness's digest store where it has one (knob ``digest_store``, the folder
     the runner's check keeps them in: a file unchanged since the check ran is not parsed again).  unsloth's
     1 800 files: 52 s and 1.5 GB with every tree kept, before."""
-    from feedback.argorder import call_faults, restored_args
-    from feedback.checks import DigestStore, _digest, python_files
+    from feedback.argorder import call_faults, digest, restored_args
+    from feedback.checks import DigestStore, python_files
 
     files = _files(matches)
     store = DigestStore(pathlib.Path(knobs["digest_store"])) if knobs.get("digest_store") else None
-    digest = _digest("argument_order")
     sources: dict[str, str] = {}
     trees: dict[str, ast.Module] = {}
     digests: list = []

@@ -204,7 +204,7 @@ def test_a_record_kept_in_the_targets_repository_replays_from_a_clone_elsewhere(
     from infra_agent.experiments import _manifest_here
 
     uncommitted = rec.model_copy(update={"manifest": str(mono / "infra-agent.yaml")})
-    assert _manifest_here(uncommitted, [clone]) == str(clone.resolve() / "infra-agent.yaml")
+    assert _manifest_here(uncommitted, clone.resolve()) == str(clone.resolve() / "infra-agent.yaml")
     shallow = tmp_path / "ci" / "shallow"
     subprocess.run(["git", "clone", "-q", "--depth", "1", clone.resolve().as_uri(), str(shallow)], check=True)
     monkeypatch.chdir(shallow)
