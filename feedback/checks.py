@@ -174,10 +174,44 @@ def _fp32_expr(node: ast.AST, fp32: set[str], aliases: dict[str, str]) -> bool:
     return False
 
 
+_SHAPE_ONLY = {"trans", "reshape", "broadcast_to", "expand_dims", "permute", "view"}
+
+
+def _narrow_expr(node: ast.AST, narrow: set[str], aliases: dict[str, str]) -> bool:
+    """Whether ``node`` is, as far as the kernel's own text says, a tensor of another dtype than fp32 (cast to
+    bf16, fp16, fp8 or an integer type): a dot of such operands never runs on tf32."""
+    if isinstance(node, ast.Name):
+        return node.id in narrow
+    if isinstance(node, ast.Call):
+        fn = resolved_name(node.func, aliases)
+        last = fn.split(".")[-1]
+        if last == "to" and node.args:
+            dtype = resolved_name(node.args[0], aliases)
+            return dtype.startswith("tl.") and dtype not in _FP32
+        if last in _SHAPE_ONLY:
+            operand = node.func.value if isinstance(node.func, ast.Attribute) and not fn.startswith("tl.") else None
+            first = node.args[0] if node.args else operand
+            return first is not None and _narrow_expr(first, narrow, aliases)
+        return False
+    if isinstance(node, (ast.Subscript, ast.Attribute)) and (not isinstance(node, ast.Attribute) or node.attr == "T"):
+        return _narrow_expr(node.value, narrow, aliases)
+    return False
+
+
+def _not_fp32_dot(node: ast.Call, narrow: set[str], aliases: dict[str, str]) -> bool:
+    """A ``tl.dot`` that provably is no fp32 product: an operand cast to a narrower type, or an integer or
+    16-bit accumulator (``out_dtype=tl.int32``: an int8 product)."""
+    out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
+    if out is not None and resolved_name(out, aliases).startswith("tl.") and resolved_name(out, aliases) not in _FP32:
+        return True
+    return any(_narrow_expr(a, narrow, aliases) for a in node.args[:2])
+
+
 def implicit_dots(fn: ast.FunctionDef, every: bool = False,
-                  aliases: dict[str, str] | None = None) -> Iterator[ast.Call]:
+                  aliases: dict[str, str] | None = None, maybe_fp32: bool = False) -> Iterator[ast.Call]:
     """The ``tl.dot`` calls of kernel ``fn`` with an fp32 operand and no stated precision (``every``: any
-    dot without one; ``aliases``: its module's imports, :func:`import_aliases`, however it names ``tl``).
+    dot without one; ``maybe_fp32``: any without one that is not provably a product of another dtype,
+    :func:`_not_fp32_dot`; ``aliases``: its module's imports, :func:`import_aliases`, however it names ``tl``).
     Which local names hold fp32 is followed through the kernel in source order: each dot is judged by the
     assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
     aliases = aliases or {}
@@ -188,18 +222,22 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False,
         elif isinstance(node, ast.Call) and resolved_name(node.func, aliases) == "tl.dot":
             events.append(((node.lineno, node.col_offset, 0), node))
     fp32: set[str] = set()
+    narrow: set[str] = set()
     for _, node in sorted(events, key=lambda e: e[0]):
         if isinstance(node, ast.Call):
             if not {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"} and \
-                    (every or any(_fp32_expr(a, fp32, aliases) for a in node.args[:2])):
+                    (every or any(_fp32_expr(a, fp32, aliases) for a in node.args[:2])
+                     or maybe_fp32 and not _not_fp32_dot(node, narrow, aliases)):
                 yield node
             continue
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         is32 = _fp32_expr(node.value, fp32, aliases) or (
             isinstance(node, ast.AugAssign) and _fp32_expr(node.target, fp32, aliases))
+        is_narrow = not is32 and not isinstance(node, ast.AugAssign) and _narrow_expr(node.value, narrow, aliases)
         for t in targets:
             if isinstance(t, ast.Name):
                 (fp32.add if is32 else fp32.discard)(t.id)
+                (narrow.add if is_narrow else narrow.discard)(t.id)
 
 
 def kernels(tree: ast.AST, aliases: dict[str, str] | None = None) -> Iterator[ast.FunctionDef]:
@@ -292,14 +330,17 @@ def tf32_switch(tree: ast.AST, rel: str) -> Iterator[Site]:
 
 
 def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
+    """Divisions inside a kernel's loops, each counted once however many loops hold it."""
     for fn in kernels(tree):
+        seen: set[int] = set()
         for loop in ast.walk(fn):
             if not isinstance(loop, (ast.For, ast.While)):
                 continue
             for node in ast.walk(loop):
                 div = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) or \
                     isinstance(node, ast.Call) and dotted_name(node.func).split(".")[-1] in ("fdiv", "div_rn")
-                if div:
+                if div and id(node) not in seen:
+                    seen.add(id(node))
                     yield Site(rel, node.lineno, fn.name, f"division in the kernel's loop: {ast.unparse(node)[:80]}")
 
 

@@ -57,7 +57,9 @@ def judge(
     Probes are the named ones, or those whose covers match ``changed`` (and those of ``failing``, the
     baseline's results, that failed and imported a changed file: :func:`feedback.select.rechecked`),
     or all of them.  Stages run cheapest first (static, correctness, microbench, trace, events, e2e);
-    the cascade stops after the first stage in which a candidate probe fails, unless ``run_all``.  A static
+    the cascade stops after the first stage in which a candidate probe fails, unless ``run_all`` (with a
+    baseline: fails where the baseline's did not; a failure both sides share says nothing of the change,
+    and stopping there would leave the candidate's tests unrun on every tree that had one).  A static
     stage does not hold back the stage after it: that one starts beside it, is reported once the static
     stage has passed, and is stopped (killed, dropped) if it fails (:func:`_static_beside`).
 
@@ -100,6 +102,7 @@ def judge(
     results: list[ProbeResult] = []
     base_results: list[ProbeResult] = []
     stopped = None
+    known: set[str] = set()  # probes that fail on the baseline: failing them too is no reason to stop
     cascade = stages(specs)
     i = 0
     while i < len(cascade):
@@ -113,22 +116,29 @@ def judge(
         else:
             cand_done = (lambda r: on_result("candidate", r)) if on_result else None
             base_done = (lambda r: on_result("baseline", r)) if on_result else None
+            base_first = None
+            if ahead and base_runner is not None:
+                # the baseline's static checks first (a second or so): only a failure the baseline does not
+                # have stops the stage beside the candidate's
+                base_first = base_runner.run(_on(base_runner, group), on_done=base_done)
+                known |= {r.probe for r in base_first if r.status in FAILING}
             if ahead:
-                first, later = _static_beside(runner, group, ahead[1], cand_done, stop=not run_all)
+                first, later = _static_beside(runner, group, ahead[1], cand_done, stop=not run_all, known=known)
                 results += first + (later or [])
                 if later is None:  # the static stage failed: the stage beside it was stopped, dropped
                     done = done[:1]
             else:
                 results += runner.run(group, on_done=cand_done)
-            if base_runner is not None:
-                sides = [[base_runner.manifest.probe(s.id) for s in g if _has(base_runner.manifest, s.id)]
-                         for _, g in done]
-                if len(sides) == 2:
-                    first, later = _static_beside(base_runner, sides[0], sides[1], base_done, stop=False)
-                    base_results += first + later
-                else:
-                    base_results += base_runner.run(sides[0], on_done=base_done)
-        failing = [st for st, g in done if any(r.status in FAILING for r in results if r.probe in {s.id for s in g})]
+            if base_first is not None:
+                base_results += base_first
+                if len(done) == 2:
+                    base_results += base_runner.run(_on(base_runner, done[1][1]), on_done=base_done)
+            elif base_runner is not None:
+                base_results += base_runner.run(_on(base_runner, group), on_done=base_done)
+        known |= {r.probe for r in base_results if r.status in FAILING}
+        # a stage stops the cascade when a candidate probe fails that held on the baseline (or has none)
+        failing = [st for st, g in done if any(r.status in FAILING and r.probe not in known
+                                               for r in results if r.probe in {s.id for s in g})]
         if failing and not run_all:  # a static stage that failed beside the next is first here: it stopped that
             stopped = failing[0] if failing[0] != cascade[-1][0] else None
             break
@@ -166,12 +176,14 @@ def _beside(cascade: list[tuple[str, list[ProbeSpec]]], i: int, runner: Runner, 
 
 def _static_beside(runner: Runner, static: list[ProbeSpec], ahead: list[ProbeSpec],
                    on_done: Callable[[ProbeResult], None] | None,
-                   stop: bool) -> tuple[list[ProbeResult], list[ProbeResult] | None]:
+                   stop: bool, known: set[str] | frozenset[str] = frozenset()
+                   ) -> tuple[list[ProbeResult], list[ProbeResult] | None]:
     """Run the static stage and, beside it, the stage after it (:func:`_beside`); the static probes take no
     slot of the other's ``jobs``.  (static results, the other stage's results.)  The other's results are
     reported (``on_done``) once the static stage has passed.  With ``stop``, a failing static stage stops the
     other (its probes killed or never started, nothing of them cached) and its results are dropped, None: the
-    cascade ends at the static stage as if it had run alone, only sooner."""
+    cascade ends at the static stage as if it had run alone, only sooner.  A probe in ``known`` (failing on
+    the baseline too) failing again stops nothing."""
     held: list[ProbeResult] = []
     lock = threading.Lock()
     released = False
@@ -191,7 +203,7 @@ def _static_beside(runner: Runner, static: list[ProbeSpec], ahead: list[ProbeSpe
         except BaseException:  # Ctrl-C: the other stage's probes die too
             runner.stop()
             raise
-        if stop and any(r.status in FAILING for r in first):
+        if stop and any(r.status in FAILING and r.probe not in known for r in first):
             runner.stop()
             try:
                 later.result()
@@ -212,6 +224,11 @@ def _differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
 
 def _has(manifest: Manifest, pid: str) -> bool:
     return any(p.id == pid for p in manifest.probes)
+
+
+def _on(base_runner: Runner, group: list[ProbeSpec]) -> list[ProbeSpec]:
+    """The baseline's own specs of ``group``'s probes (those its manifest has)."""
+    return [base_runner.manifest.probe(s.id) for s in group if _has(base_runner.manifest, s.id)]
 
 
 def _paired(runner: Runner, base_runner: Runner, group: list, on_result) -> tuple[list, list]:

@@ -37,7 +37,7 @@ from feedback import forkserver, jobserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
 from feedback.models import Finding, Fingerprint, Metric, ProbeResult, Status
-from feedback.needs import absent_package, importable
+from feedback.needs import absent_package, importable, lacks
 from feedback.state import StateDir
 from feedback.timing import WITNESS_FD
 from feedback.verdict import combine_runs, repeats_for
@@ -536,11 +536,13 @@ class Runner:
         with tempfile.TemporaryDirectory(prefix="infra-agent-pytest-") as tmp:
             xml = pathlib.Path(tmp) / "junit.xml"
             imports = pathlib.Path(tmp) / "imports.json"
+            where = pathlib.Path(tmp) / "environment.json"
             # a file that fails to import does not stop the others (pytest's default interrupts the whole run)
             cmd = shlex.join([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=native",
                               "--continue-on-collection-errors",
                               f"--junitxml={xml}", "-o", "junit_family=xunit1", "-p", "infra_agent_imports",
-                              f"--infra-agent-imports={imports}", f"--infra-agent-tree={self.tree}", *spec.pytest])
+                              f"--infra-agent-imports={imports}", f"--infra-agent-tree={self.tree}",
+                              f"--infra-agent-env={where}", *spec.pytest])
             rc, stdout, stderr, secs, timed_out = self._spawn(
                 spec, [*LIFELINE, "--", cmd], shell=False, path_first=PYTEST_PLUGIN)
             base = dict(probe=spec.id, duration_s=secs, stdout=stdout, stderr=stderr)
@@ -552,10 +554,17 @@ class Runner:
                         base.setdefault("imports", {}).update(json.loads(part.read_text()))
                 except (OSError, ValueError):
                     pass
+            try:  # where the tests ran (the plugin's, as a Python probe's worker says it)
+                base["environment"] = Fingerprint.model_validate(json.loads(where.read_text()))
+            except (OSError, ValueError):
+                pass
             if timed_out:
                 return ProbeResult(status=Status.timeout, reason=f"no result within budget_s={spec.budget_s:g}; "
                                    "process group killed", **base), False
             if not xml.is_file():  # (exit 5 with a file: every test skipped itself, which the file says)
+                if rc != 5 and (need := lacks(stdout + "\n" + stderr, self.import_roots)):
+                    # pytest stopped before collecting (a conftest's import): no test can run on this machine
+                    return self._unstartable(need, base), True
                 why = "no tests were collected" if rc == 5 else self._exit_reason(rc or 1)
                 last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip()][-1:]
                 return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
@@ -586,6 +595,16 @@ class Runner:
         absent = sorted({n for need in summary.needs if (n := absent_package(need))})
         return ProbeResult(status=status, reason=reason, metrics=metrics, findings=findings,
                            failing=summary.failing[:2000], absent=absent, **base), True
+
+    @staticmethod
+    def _unstartable(need: str, base: dict) -> ProbeResult:
+        """A pytest run that stopped before collecting anything because the machine lacks ``need`` (a
+        conftest imports a package that is not installed): not run here, one unit unrunnable, so that a
+        candidate whose conftest newly needs it fails against a baseline that ran (``feedback.verdict``)."""
+        text = f"not run on this machine: pytest stopped before collecting (a conftest needs {need})"
+        metrics = {"passed": Metric(value=0), "unrunnable": Metric(value=1, better="lower")}
+        return ProbeResult(status=Status.skipped, reason=text[:400], metrics=metrics, findings=[Finding(message=text)],
+                           absent=[n] if (n := absent_package(need)) else [], **base)
 
     def _run_command(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """One run of a command probe: (result, whether the command itself reported it)."""

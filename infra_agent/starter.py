@@ -27,6 +27,7 @@ import yaml
 
 from feedback.checks import parse
 from feedback.manifest import MANIFEST_NAME, parse_manifest
+from feedback.needs import importable
 from feedback.state import ENV_PARTS, SKIP_PARTS
 
 _SKIP = SKIP_PARTS | ENV_PARTS | {"build", "dist", ".eggs"}
@@ -43,6 +44,7 @@ class Inventory:
     test_files: list[str] = field(default_factory=list)
     kernel_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it reaches
     direct_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports itself
+    test_needs: dict[str, list[str]] = field(default_factory=dict)  # test file -> packages it imports, absent here
     bench_files: list[str] = field(default_factory=list)
     references: list[str] = field(default_factory=list)
 
@@ -222,6 +224,9 @@ def inspect(root: str | pathlib.Path) -> Inventory:
             direct |= reach.files(m, hops=0)
         if hit:
             inv.kernel_tests[test] = sorted(hit)
+            roots = [root / inv.import_root, root]
+            inv.test_needs[test] = sorted({top for m in _imports(tree) if (top := m.split(".")[0])
+                                           and not importable(top, roots)})
         if direct:
             inv.direct_tests[test] = sorted(direct)
     return inv
@@ -252,8 +257,28 @@ class _Reach:
 
     def files(self, name: str, hops: int = HOPS) -> set[str]:
         if (name, hops) not in self._memo:
-            self._memo[name, hops] = {self.kernel_modules[m] for m in self._walk(name, hops)}
+            self._memo[name, hops] = {self.kernel_modules[m] for origin in self._origins(name)
+                                      for m in self._walk(origin, hops)}
         return self._memo[name, hops]
+
+    def _origins(self, name: str) -> set[str]:
+        """Where ``name`` is defined: itself, or, for a name a package re-exports, the module its ``__init__``
+        imports it from (``from liger_kernel.ops import LigerRMSNormFunction`` is ``...ops.rms_norm``'s, not
+        the whole package's), followed through a few packages that re-export a re-export.  A name bound under
+        another name (``import x as y``) is not followed."""
+        out: set[str] = set()
+        frontier = {name}
+        for _ in range(self.HOPS):
+            nxt: set[str] = set()
+            for n in frontier:
+                parent, _, attr = n.rpartition(".")
+                via = set() if n in self.graph or parent not in self.graph else \
+                    {i for i in self.graph[parent] if i.rpartition(".")[2] == attr and i != n}
+                (nxt.update(via) if via else out.add(n))
+            frontier = nxt - out
+            if not frontier:
+                break
+        return out | frontier
 
     def _walk(self, name: str, hops: int) -> set[str]:
         found = self._direct(name)
@@ -319,11 +344,24 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
                        "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60,
                        "thresholds": {"tf32_switches": {"max": _count(inv, "tf32_switch", inv.packages)}}})
     # a kernel's own tests first (those that import a kernel module themselves, the most focused first: fewest
-    # kernel files each), then tests that reach kernels through other modules; one per set of kernel files
+    # kernel files each), then tests that reach kernels through other modules; one per set of kernel files.
+    # Between equals: one that this machine can import (not a test of an optional backend whose package is
+    # absent), then one named after its kernel's file (test_rms_norm.py for rms_norm.py), then one of the folder
+    # that holds the most kernel tests (the main suite, not a backend's parity test against the kernel)
     chosen, seen = [], set()
     direct = inv.direct_tests
+    per_folder: dict[str, int] = {}
+    for t in inv.kernel_tests:
+        per_folder[str(pathlib.PurePosixPath(t).parent)] = per_folder.get(str(pathlib.PurePosixPath(t).parent), 0) + 1
+
+    def named_after(t: str) -> bool:
+        stem = pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test")
+        return any(pathlib.PurePosixPath(k).stem == stem for k in inv.kernel_tests[t])
+
     for t in sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
-                                                     len(inv.kernel_tests[t]), t)):
+                                                     len(inv.kernel_tests[t]), bool(inv.test_needs.get(t)),
+                                                     not named_after(t),
+                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t)):
         key = tuple(inv.kernel_tests[t])
         if key not in seen and len(chosen) < max_tests:
             chosen.append(t)

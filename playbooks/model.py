@@ -292,7 +292,9 @@ def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[Cod
 
     A pattern such as "a dot without a precision" matches all over a large repository; the feedback
     says which file is at fault, and the change belongs there."""
-    pointed = {path for r in report.results if r.status.value == "fail" for path in _finding_files(r)}
+    # a finding located by a glob (a count over its threshold, located at the probe's paths) points at no file
+    pointed = {path for r in report.results if r.status.value == "fail" for path in _finding_files(r)
+               if not any(c in path for c in "*?[")}
     if not pointed:
         return matches
     near = [m for m in matches if any(path_matches(m.file, pat) for pat in pointed)]

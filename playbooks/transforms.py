@@ -22,9 +22,10 @@ PRECISION_CONSTANT = "FP32_DOT_PRECISION"
 
 
 def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str) -> tuple[str, int]:
-    """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` on NVIDIA
-    builds of torch, ``fallback`` on ROCm, whose Triton has no tf32x3), and the number of characters inserted
-    before the first line that follows the imports.
+    """``src`` with a module-level constexpr ``FP32_DOT_PRECISION`` after its imports (``precision`` on CUDA
+    builds of torch, ``fallback`` on every other build: ROCm, whose Triton has no tf32x3, the Ascend and Intel
+    backends, a CPU build under the interpreter), and the number of characters inserted before the first line
+    that follows the imports.
 
     It reads only how torch was built, never the device: importing a kernel module must not initialise
     CUDA (``torch.cuda.get_device_capability`` does; a server that imports its kernels and then forks its
@@ -40,10 +41,9 @@ def _precision_constant(src: str, mod: ast.Module, precision: str, fallback: str
     after = max((n.end_lineno for n in imports), default=0)
     lines = src.splitlines(keepends=True)
     block = ("" if has_torch else "import torch\n") + ("" if lang else "import triton.language as tl\n") + (
-        f"\n# fp32 dot chains: {precision} on NVIDIA, {fallback} on ROCm (read from the build: the device is not "
-        f"touched at import)\n"
-        f"{PRECISION_CONSTANT} = {lang or 'tl'}.constexpr({precision!r} if torch.version.hip is None else "
-        f"{fallback!r})\n")
+        f"\n# fp32 dot chains: {precision} on CUDA builds of torch, {fallback} on others (read from the build: "
+        f"the device is not touched at import)\n"
+        f"{PRECISION_CONSTANT} = {lang or 'tl'}.constexpr({precision!r} if torch.version.cuda else {fallback!r})\n")
     head = "".join(lines[:after])
     return head + block + "".join(lines[after:]), len(block)
 
@@ -53,7 +53,8 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
 
     Which dots: those with an fp32 operand (``feedback.checks.implicit_dots``: bf16 and fp16 dots are
     exact in their fp32 accumulation and are left alone); in a file where none is provably fp32, the
-    precision-less dots on the matched lines.  What precision: inside a kernel that takes a precision
+    precision-less dots on the matched lines that are not provably of another dtype (operands cast to bf16,
+    an integer accumulator).  What precision: inside a kernel that takes a precision
     parameter (a constexpr whose name ends in PRECISION), that parameter, which the host resolves;
     otherwise a module-level constexpr, ``precision`` (tf32x3) where tf32 tensor cores exist and
     ``fallback`` (ieee) elsewhere, never a hard-coded tf32.
@@ -71,7 +72,7 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
         chosen: list[tuple[ast.FunctionDef, ast.Call]] = [(fn, d) for fn in found
                                                           for d in implicit_dots(fn, aliases=aliases)]
         if not chosen:
-            chosen = [(fn, d) for fn in found for d in implicit_dots(fn, every=True, aliases=aliases)
+            chosen = [(fn, d) for fn in found for d in implicit_dots(fn, aliases=aliases, maybe_fp32=True)
                       if d.lineno in matched]
         edits: list[tuple[int, str]] = []
         constant = False

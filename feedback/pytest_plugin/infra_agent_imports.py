@@ -19,6 +19,30 @@ import sys
 def pytest_addoption(parser):
     parser.addoption("--infra-agent-imports", default=None, help="write the tree's imported files here (JSON)")
     parser.addoption("--infra-agent-tree", default=None, help="the tree under test")
+    parser.addoption("--infra-agent-env", default=None, help="write where the tests ran here (JSON)")
+
+
+def environment() -> dict:
+    """Where the tests ran, as ``feedback.models.fingerprint`` says it of a Python probe: the interpreter, the
+    versions of torch and Triton, the GPU where the tests imported torch and it has one, interpreter mode."""
+    import importlib.metadata as md
+    import platform
+
+    env = {"python": platform.python_version(), "platform": f"{platform.system()}-{platform.machine()}",
+           "mode": "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "native"}
+    for name in ("torch", "triton"):
+        try:
+            env[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and env["mode"] == "native":
+        try:
+            if torch.cuda.is_available():
+                env["device"] = torch.cuda.get_device_name(0)
+        except Exception:  # noqa: BLE001 - a broken driver: the device stays unnamed
+            pass
+    return env
 
 
 def tree_imports(tree: pathlib.Path) -> dict[str, str]:
@@ -36,6 +60,13 @@ def tree_imports(tree: pathlib.Path) -> dict[str, str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # under pytest-xdist the workers ran the tests (and imported torch) and finish first: the controller's own
+    # view is written only where no worker wrote one
+    where = session.config.getoption("infra_agent_env")
+    if where and (os.environ.get("PYTEST_XDIST_WORKER") or not os.path.exists(where)):
+        with open(f"{where}.{os.getpid()}.tmp", "w") as f:
+            json.dump(environment(), f)
+        os.replace(f"{where}.{os.getpid()}.tmp", where)
     out, tree = session.config.getoption("infra_agent_imports"), session.config.getoption("infra_agent_tree")
     if not out or not tree:
         return

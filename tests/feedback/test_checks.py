@@ -117,6 +117,13 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     _, n, sites = run_check("kernel_loop_division", ext, ["pkg/kernels.py"])
     # host_scale's division is not in a kernel: not counted
     assert n == 1 and sites[0].line == _line(KERNELS, "h = h / 2.0") and sites[0].symbol == "merge"
+    # a division inside nested loops is one site, not one per loop around it
+    nested = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef norm(x, D: tl.constexpr):\n"
+              "    for i in range(4):\n        for j in tl.static_range(2):\n            x = tl.sum(x * x) / D\n"
+              "    return x\n")
+    (ext / "pkg" / "nested.py").write_text(nested)
+    _, n, sites = run_check("kernel_loop_division", ext, ["pkg/nested.py"])
+    assert n == 1 and [s.line for s in sites] == [9], sites
     assert run_check("dot_precision", ext, ["pkg"], every=True)[1] == 2  # every dot without a precision
     with pytest.raises(ValueError, match="leaves the tree"):
         run_check("dot_precision", ext, ["../elsewhere"])

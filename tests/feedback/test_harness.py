@@ -259,3 +259,20 @@ def test_a_failing_static_stage_stops_the_stage_started_beside_it(tmp_path):
     quick = _stage_tree(tmp_path / "q", tmp_path / "q.txt", static_fails=True, correctness_s=0.5)
     everything = judge(quick, changed=["st/code.py"], use_cache=False, run_all=True)
     assert [(r.probe, r.status) for r in everything.results] == [("s0", Status.failed), ("c0", Status.passed)]
+
+
+def test_a_static_failure_the_baseline_shares_does_not_stop_the_cascade_a_new_one_does(tmp_path):
+    # a tree whose static check already fails (a starter manifest on a repository with a real finding) must still
+    # get its tests run on every change; a candidate that brings the failure stops at the static stage
+    failing_base = _stage_tree(tmp_path / "b1", tmp_path / "b1.txt", static_fails=True, correctness_s=0.3)
+    cand = _stage_tree(tmp_path / "c1", tmp_path / "c1.txt", static_fails=True, correctness_s=0.3)
+    report = judge(cand, changed=["st/code.py"], baseline_tree=failing_base, use_cache=False)
+    assert report.stopped_at is None, report.stopped_at
+    assert [(r.probe, r.status) for r in report.results] == [("s0", Status.failed), ("c0", Status.passed)]
+    assert [(r.probe, r.status) for r in report.baseline_results] == [("s0", Status.failed), ("c0", Status.passed)]
+    assert "correctness-end" in _stamps(tmp_path / "c1.txt")
+    passing_base = _stage_tree(tmp_path / "b2", tmp_path / "b2.txt", static_fails=False, correctness_s=0.3)
+    cand = _stage_tree(tmp_path / "c2", tmp_path / "c2.txt", static_fails=True, correctness_s=30.0)
+    report = judge(cand, changed=["st/code.py"], baseline_tree=passing_base, use_cache=False)
+    assert report.stopped_at == "static" and [r.probe for r in report.results] == ["s0"]
+    assert report.verdict.name == "incorrect" and report.verdict.broke, report.verdict

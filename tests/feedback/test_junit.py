@@ -199,3 +199,41 @@ def test_a_result_that_lacked_a_package_is_not_served_from_the_cache_once_the_pa
     (dep / "__init__.py").write_text("a_serving_dependency_not_installed_here = True\n")
     now = run()
     assert not now.cached and now.status == Status.passed and now.absent == [], now.reason
+
+
+def test_a_conftest_that_imports_a_missing_package_is_the_machines_and_a_candidate_that_adds_it_broke(tmp_path):
+    # pytest stops before collecting (exit 4, no JUnit file) when a conftest cannot be imported: that is not the
+    # tree's test failing, it is a package this machine lacks, named as such; a candidate whose conftest newly
+    # needs it passes fewer tests than its baseline, which ran them
+    from feedback.models import FeedbackReport
+    from feedback.verdict import verdict
+
+    def tree(name: str, conftest: str | None) -> tuple[pathlib.Path, object]:
+        root = tmp_path / name
+        for rel in ("pkg/__init__.py", "pkg/core.py", "tests/test_core.py"):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(textwrap.dedent(FILES[rel]).lstrip())
+        if conftest is not None:
+            (root / "tests" / "conftest.py").write_text(conftest)
+        (root / "infra-agent.yaml").write_text("schema_version: 1\nname: t\nprobes:\n"
+                                               "  - {id: core, kind: correctness, pytest: [tests/test_core.py]}\n")
+        manifest = load_manifest(root)
+        return root, Runner(root, manifest).run(manifest.probes)[0]
+
+    _, base = tree("base", None)
+    assert base.status == Status.failed and base.metrics["passed"].value == 1  # the zero scales fail: the code's
+    # where the tests ran, as the pytest process saw it (a record says it of a pytest probe too)
+    import importlib.metadata
+    import platform
+
+    assert base.environment.python == platform.python_version()
+    assert base.environment.torch == importlib.metadata.version("torch")
+    _, cand = tree("cand", "import a_fixture_library_not_installed_here  # noqa: F401\n")
+    assert cand.status == Status.skipped, cand.reason
+    assert cand.absent == ["a_fixture_library_not_installed_here"]
+    assert "conftest needs the package 'a_fixture_library_not_installed_here'" in cand.reason
+    judged = verdict(FeedbackReport(target="t", candidate="c", results=[cand], baseline_results=[base]))
+    assert judged.name == "incorrect" and any("cannot run on this machine" in b for b in judged.broke), judged
+    # a conftest broken by the tree's own code is the code's: an error, never excused as the machine's
+    _, own = tree("own", "from pkg.core import renamed_away  # noqa: F401\n")
+    assert own.status == Status.error and own.absent == [], own.reason

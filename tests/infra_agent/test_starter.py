@@ -208,3 +208,34 @@ def test_imports_are_read_from_the_text_with_relative_names_resolved():
         "pkg.sub.deep.er.z"}
     # in a package's __init__, `.` is the package itself
     assert _source_imports("from .k import f\n", "pkg.ops", is_package=True) == {"pkg.ops.k", "pkg.ops.k.f"}
+
+
+def test_a_name_the_package_re_exports_reaches_its_own_kernel_and_the_main_suite_wins_ties(tmp_path):
+    # Liger-Kernel's layout: `from pkg.ops import NormFn`, where pkg/ops/__init__.py re-exports every kernel
+    # module's function (the package itself names all of them: too broad); a backend's parity test of the same
+    # kernel beside the main suite; a test that imports a package this machine lacks
+    kernel = KERNEL.replace("scale_kernel", "{name}_kernel")
+    files = {"pkg/__init__.py": "",
+             "pkg/ops/__init__.py": "".join(f"from .k{i} import scale as s{i}\n" for i in range(7))
+             + "from pkg.ops.norm import NormFn\nfrom .act import (\n    ActFn,\n)\n",
+             **{f"pkg/ops/k{i}.py": kernel.format(name=f"k{i}") for i in range(7)},
+             "pkg/ops/norm.py": kernel.format(name="norm") + "\n\nclass NormFn:\n    pass\n",
+             "pkg/ops/act.py": kernel.format(name="act") + "\n\nclass ActFn:\n    pass\n",
+             "tests/main/__init__.py": "",
+             "tests/main/test_norm.py": "from pkg.ops import NormFn\n\n\ndef test_norm():\n    assert NormFn\n",
+             "tests/main/test_act.py": "import a_package_absent_here\nfrom pkg.ops import ActFn\n\n\n"
+                                       "def test_act():\n    assert ActFn and a_package_absent_here\n",
+             "tests/main/test_k0.py": "from pkg.ops.k0 import scale\n\n\ndef test_k0():\n    assert scale\n",
+             "tests/backend/test_norm.py": "from pkg.ops import NormFn\n\n\ndef test_parity():\n    assert NormFn\n",
+             "tests/backend/test_act.py": "from pkg.ops import ActFn\n\n\ndef test_parity():\n    assert ActFn\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    inv = inspect(tmp_path)
+    assert inv.kernel_tests["tests/main/test_norm.py"] == ["pkg/ops/norm.py"]
+    assert inv.direct_tests["tests/main/test_norm.py"] == ["pkg/ops/norm.py"]  # through the re-export: its own
+    assert inv.kernel_tests["tests/backend/test_act.py"] == ["pkg/ops/act.py"]  # a parenthesised re-export
+    assert inv.test_needs["tests/main/test_act.py"] == ["a_package_absent_here"]
+    chosen = [p["pytest"][0] for p in yaml.safe_load(starter_manifest(inv))["probes"] if "pytest" in p]
+    # one test per kernel: the main suite's where both can run here, the one this machine can import otherwise
+    assert sorted(chosen) == ["tests/backend/test_act.py", "tests/main/test_k0.py", "tests/main/test_norm.py"]

@@ -278,7 +278,7 @@ def test_state_dot_precision_states_fp32_dots_with_a_constant_and_its_fallback(t
     assert "        b, input_precision=FP32_DOT_PRECISION,\n    )" in src
     assert "tl.dot(h, b, out_dtype=tl.float32, input_precision=FP32_DOT_PRECISION)" in src
     assert "tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))" in src  # bf16 products are exact: left alone
-    assert "'tf32x3' if torch.version.hip is None else 'ieee')" in src and "import torch" in src
+    assert "'tf32x3' if torch.version.cuda else 'ieee')" in src and "import torch" in src
     assert "torch.cuda." not in src  # importing the kernel module never initialises CUDA
     compile(src, "k.py", "exec")
     namespace: dict = {}
@@ -527,3 +527,46 @@ def test_the_argument_order_transform_parses_only_the_matched_files_where_the_ch
     parsed.clear()
     assert run_transform(LIB["restore-argument-order"], t, app) == ["app/run.py"]
     assert len(parsed) == len(files) and "    mix(q, k, o)\n" in (t / "app" / "run.py").read_text()
+
+
+UNKNOWN_DTYPE_DOTS = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def kern(a_ptr, b_ptr, q_ptr, N: tl.constexpr):
+    a = tl.load(a_ptr + tl.arange(0, N))
+    b = tl.load(b_ptr + tl.arange(0, N))
+    acc = tl.dot(a, b)
+    qa = tl.load(q_ptr + tl.arange(0, N))
+    wide = tl.dot(qa, qa, out_dtype=tl.int32)
+    lo = a.to(tl.bfloat16)
+    half = tl.dot(lo, tl.trans(lo))
+    return acc + wide + half
+"""
+
+
+def test_the_precision_fix_stays_on_the_files_the_findings_name_and_off_dots_that_are_not_fp32(tmp_path):
+    # a count over its threshold is located at the probe's paths (a glob): it names no file, so the dots of
+    # every other file the pattern matches are not the fix's business
+    fp32 = "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef k(x):\n" \
+           "    h = tl.zeros([16, 16], dtype=tl.float32)\n    return tl.dot(h, h)\n"
+    t = tree(tmp_path / "a", {"pkg/chain.py": fp32, "pkg/other.py": UNKNOWN_DTYPE_DOTS})
+    pb = LIB["tf32x3-fp32-dot-chains"]
+    failing = ProbeResult(probe="static.dot_precision", status=Status.failed, findings=[
+        Finding(message="tl.dot(h, h): fp32 operands and no input_precision",
+                location=Location(file="pkg/chain.py", condition="line 8")),
+        Finding(message="implicit_precision = 1 violates <= 0", location=Location(file="pkg/**/*.py"))])
+    app = evaluate(pb, report(failing), t, {"static.dot_precision": ["pkg/**/*.py"]})
+    assert app.applies and {m.file for m in app.code_matches} == {"pkg/chain.py"}, app.code_matches
+    assert run_transform(pb, t, app) == ["pkg/chain.py"]
+    assert "input_precision" not in (t / "pkg" / "other.py").read_text()
+    # evidence that names no file (a merge's error growth): the dots of unknown dtype in the covered file get a
+    # precision; an int8 product (an integer accumulator) and a bf16 one (operands cast to bf16) never do
+    t = tree(tmp_path / "b", {"pkg/other.py": UNKNOWN_DTYPE_DOTS})
+    app = evaluate(pb, report(metrics("x.cp.merge", error_growth=40.0)), t, {"x.cp.merge": ["pkg/other.py"]})
+    assert app.applies, app.reason
+    assert run_transform(pb, t, app) == ["pkg/other.py"]
+    src = (t / "pkg" / "other.py").read_text()
+    assert "acc = tl.dot(a, b, input_precision=FP32_DOT_PRECISION)" in src
+    assert "tl.dot(qa, qa, out_dtype=tl.int32)\n" in src and "tl.dot(lo, tl.trans(lo))\n" in src

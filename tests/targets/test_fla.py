@@ -62,7 +62,7 @@ def test_fla_0_5_2_is_found_fixed_held_approved_and_holds(fla_052, tmp_path):
     assert repo.git.status("--porcelain", "--ignored") == ""  # and nothing written in it, ignored or not
     fixed = repo.git.show(f"{attempt['branch']}:fla/ops/cp/chunk_delta_h.py")
     assert fixed.count("input_precision=FP32_DOT_PRECISION") == dots["metrics"]["implicit_precision"]["value"]
-    assert "FP32_DOT_PRECISION = tl.constexpr('tf32x3' if torch.version.hip is None else 'ieee')" in fixed
+    assert "FP32_DOT_PRECISION = tl.constexpr('tf32x3' if torch.version.cuda else 'ieee')" in fixed
 
     item = _cli("review", "list", "--target", str(fla_052), "--json", cwd=tmp_path)
     (pending,) = json.loads(item.stdout)
