@@ -48,6 +48,11 @@ class Misplaced:
     callee: Signature
     moves: tuple[tuple[str, int, int], ...]  # by the names as compared (:func:`_bare`)
     written: tuple[str, ...] = ()  # the moved arguments as the call writes them, in the order of ``moves``
+    at_line: int = 0  # the line of the first moved argument (a launch written one argument a line): 0, the call's
+
+    @property
+    def where(self) -> int:
+        return self.at_line or self.line
 
     def describe(self) -> str:
         p, written = self.callee.params, self.written or tuple(arg for arg, _, _ in self.moves)
@@ -290,7 +295,8 @@ def misplaced(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Fo
             if all(moves for _, moves in judged):
                 sig, moves = judged[0]
                 written = tuple(_last(node.args[at]) for _, at, _ in moves)
-                yield Misplaced(rel, node.lineno, caller, sig, moves, written), sig, rel, node.lineno
+                first = min(node.args[at].lineno for _, at, _ in moves)
+                yield Misplaced(rel, node.lineno, caller, sig, moves, written, first), sig, rel, node.lineno
             else:
                 sig = next(s for s, moves in judged if not moves)
                 yield None, sig, rel, node.lineno
@@ -329,12 +335,12 @@ def argument_order(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterat
     for sig, bad, calls, odd in _by_definition(modules):
         declared = f"`{sig.name}` ({sig.file}:{sig.line}) declares ({', '.join(sig.params)})"
         if odd:
-            where = ", ".join(f"{f.file}:{f.line}" for f in bad)
+            where = ", ".join(f"{f.file}:{f.where}" for f in bad)
             yield Site(sig.file, sig.line, sig.name, f"{declared}, but all {len(bad)} calls that pass names "
                        f"pass {bad[0].describe()} ({where}): the declaration's order is the odd one out")
             continue
         for f in bad:
-            yield Site(f.file, f.line, f.caller or sig.name, f"call of {declared} passes {f.describe()}")
+            yield Site(f.file, f.where, f.caller or sig.name, f"call of {declared} passes {f.describe()}")
             if calls == 1:
                 yield Site(sig.file, sig.line, sig.name, f"{declared}; its one call that passes names "
-                           f"({f.file}:{f.line}) passes {f.describe()}")
+                           f"({f.file}:{f.where}) passes {f.describe()}")

@@ -161,25 +161,31 @@ class RiskFinding(BaseModel):
     rule: str
     category: str
     file: str
-    line: int
+    line: int  # in the file after the patch; before it where ``removed``
     text: str
+    removed: bool = False  # a line the patch removes (numbered as the file was)
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" + (" (removed)" if self.removed else "")
 
     def render(self) -> str:
-        return f"{self.category}: {self.rule} at {self.file}:{self.line}: {self.text.strip()[:100]}"
+        return f"{self.category}: {self.rule} at {self.where()}: {self.text.strip()[:100]}"
 
 
 def by_line(findings: list[RiskFinding] | list[dict]) -> list[str]:
     """Findings one line of code each, in file and line order: ``file:line categories (rules): text``.  A
     changed line inside a kernel that calls ``tl.dot`` with a precision matches five rules; a reviewer (or
     the model) reads the line once."""
-    lines: dict[tuple[str, int], tuple[list[str], list[str], str]] = {}
+    lines: dict[tuple[str, int, bool], tuple[list[str], list[str], str]] = {}
     for f in findings:
         f = f.model_dump() if isinstance(f, RiskFinding) else f
-        cats, rules, _ = lines.setdefault((f["file"], f["line"]), ([], [], f["text"].strip()[:100]))
+        key = (f["file"], f["line"], bool(f.get("removed")))
+        cats, rules, _ = lines.setdefault(key, ([], [], f["text"].strip()[:100]))
         cats += [f["category"]] if f["category"] not in cats else []
         rules += [f["rule"]] if f["rule"] not in rules else []
-    return [f"{file}:{no} {'/'.join(cats)} ({', '.join(rules)}): {text}"
-            for (file, no), (cats, rules, text) in sorted(lines.items())]
+    # a removed line is numbered as the file was before the patch, and says so
+    return [f"{file}:{no}{' (removed)' if gone else ''} {'/'.join(cats)} ({', '.join(rules)}): {text}"
+            for (file, no, gone), (cats, rules, text) in sorted(lines.items())]
 
 
 class Assessment(BaseModel):
@@ -230,7 +236,7 @@ def ast_findings(path: str, source: str, lines: set[int], tree: ast.Module | Non
 KERNEL_WRITES = re.compile(r"(?<![\w])(?:[A-Za-z_][\w.]*\.)?(store|atomic_\w+|debug_barrier)\s*\(")
 
 
-def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> list[RiskFinding]:
+def region_findings(path: str, lines: list[tuple[int, str, str, Regions, bool]]) -> list[RiskFinding]:
     """Findings from where a changed code line lies, whatever its words.  Inside a Python GPU kernel's body
     (``source_lines.KERNEL_DECORATOR``): numerics, as a kernel's every line is the numbers it computes, and
     its stores, atomics and barriers concurrency too (which program writes where, and when).  In a kernel's
@@ -239,16 +245,16 @@ def region_findings(path: str, lines: list[tuple[int, str, str, Regions]]) -> li
     with-block that holds a lock or a stream, on either side of the patch: concurrency (what the critical
     section covers, what runs on the stream)."""
     out = []
-    for no, text, code, regions in lines:
+    for no, text, code, regions, gone in lines:
+        at = dict(file=path, line=no, text=text, removed=gone)
         if no in regions.kernels:
-            out.append(RiskFinding(rule="ast.kernel-body", category="numerics", file=path, line=no, text=text))
+            out.append(RiskFinding(rule="ast.kernel-body", category="numerics", **at))
             if KERNEL_WRITES.search(code):
-                out.append(RiskFinding(rule="ast.kernel-writes", category="concurrency", file=path, line=no,
-                                       text=text))
+                out.append(RiskFinding(rule="ast.kernel-writes", category="concurrency", **at))
         if no in regions.launches:
-            out.append(RiskFinding(rule="ast.kernel-launch", category="numerics", file=path, line=no, text=text))
+            out.append(RiskFinding(rule="ast.kernel-launch", category="numerics", **at))
         if no in regions.locked:
-            out.append(RiskFinding(rule="ast.locked-region", category="concurrency", file=path, line=no, text=text))
+            out.append(RiskFinding(rule="ast.locked-region", category="concurrency", **at))
     return out
 
 
@@ -274,22 +280,24 @@ def _old_source(tree: str | pathlib.Path | None, rel: str) -> str | None:
     return path.read_text(errors="replace") if path.is_file() else None
 
 
-def _code_lines(f, new_tree: ast.Module | None, old_tree: ast.Module | None) -> list[tuple[int, str, str, Regions]]:
-    """(line, text, code, the regions of its side) for each changed line of ``f`` that carries code: comments
+def _code_lines(f, new_tree: ast.Module | None,
+                old_tree: ast.Module | None) -> list[tuple[int, str, str, Regions, bool]]:
+    """(line, text, code, the regions of its side, whether it is a removed line) for each changed line of ``f``
+    that carries code (a removed line numbered as the file was before the patch): comments
     are cut off, lines of docstrings are dropped where the file's source (after the patch for added lines,
     before it for removed ones) is known, and so is a run of changed lines whose code is the same on both
     sides but for layout (``same_code``)."""
     regions = {"+": python_regions(new_tree), "-": python_regions(old_tree)}
 
-    def code_of(side: str, changed) -> list[tuple[int, str, str, Regions]]:
+    def code_of(side: str, changed) -> list[tuple[int, str, str, Regions, bool]]:
         r = regions[side]
-        return [(no, text, code, r) for no, text in changed
+        return [(no, text, code, r, side == "-") for no, text in changed
                 if (code := code_part(f.path, text)).strip() and no not in r.docs]
 
     out = []
     for removed, added in f.blocks:
         old, new = code_of("-", removed), code_of("+", added)
-        if not same_code(f.path, [c for _, _, c, _ in old], [c for _, _, c, _ in new]):
+        if not same_code(f.path, [c for _, _, c, _, _ in old], [c for _, _, c, _, _ in new]):
             out += new + old
     return out
 
@@ -370,10 +378,10 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
                     findings.append(RiskFinding(rule=rule.id, category=rule.category, file=f.path, line=first[0],
                                                 text=first[1]))
                     continue
-                for no, text, code, _ in lines[f.path]:
+                for no, text, code, _, gone in lines[f.path]:
                     if rx is not None and rx.search(code):
                         findings.append(RiskFinding(rule=rule.id, category=rule.category, file=f.path, line=no,
-                                                    text=text))
+                                                    text=text, removed=gone))
         for f in patch.files:
             findings += region_findings(f.path, lines[f.path])
             findings += default_findings(f, *trees[f.path])
@@ -381,11 +389,12 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
             findings += ast_findings(rel, source, added.get(rel, set()), trees[rel][0])
         seen, unique = set(), []
         for f in findings:
-            key = (f.rule, f.file, f.line)
+            key = (f.rule, f.file, f.line, f.removed)
             if key not in seen and f.file not in guarded:
                 seen.add(key)
                 unique.append(f)
-        return Assessment(findings=sorted(unique, key=lambda f: (f.file, f.line, f.category, f.rule)), refused=refused)
+        return Assessment(findings=sorted(unique, key=lambda f: (f.file, f.line, f.removed, f.category, f.rule)),
+                          refused=refused)
     except Exception as exc:  # noqa: BLE001 - a classifier error must hold the patch, never pass it
         return Assessment(refused=refused, error=f"{type(exc).__name__}: {exc}")
 

@@ -204,10 +204,12 @@ def inspect(root: str | pathlib.Path) -> Inventory:
                     and (names := _kernel_names(tree)):
                 inv.kernel_files.append(rel)
                 inv.kernels[rel] = names
-        if re.search(r"(^|/)(bench|benchmarks?)(/|_|\.py$)", rel) and not _is_test(rel):
+        if re.search(r"(^|/)(bench|benchmarks?)(/|_|\.py$)", rel) and not _is_test(rel) \
+                and path.name not in ("__init__.py", "conftest.py"):  # a package's marker runs nothing
             inv.bench_files.append(rel)
         if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
             inv.references.append(rel)
+    inv.references = _used_references(inv)
     modules = {_module(f, inv.import_root): f for f in inv.kernel_files}
     broad = max(4, len(modules) // 4)  # `import pkg` names every kernel: it says nothing about what is tested
     reach = _Reach(graph, modules, broad)
@@ -230,6 +232,26 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         if direct:
             inv.direct_tests[test] = sorted(direct)
     return inv
+
+
+def _used_references(inv: Inventory) -> list[str]:
+    """The files named like a reference (``naive.py``, ``ref_attention.py``) that the kernels or their tests use as
+    one: beside a kernel file, or imported by a test by their module's name.  A production module that happens to
+    be called ``naive_memory_cache`` is no reference, and protecting it would refuse every patch to it."""
+    kernel_dirs = {str(pathlib.PurePosixPath(f).parent) for f in inv.kernel_files}
+    unsure = {r for r in inv.references if str(pathlib.PurePosixPath(r).parent) not in kernel_dirs}
+    if not unsure:
+        return inv.references
+    texts = [_read(inv.root / t) for t in inv.test_files]
+
+    def named(rel: str) -> bool:
+        try:
+            name = _module(rel, inv.import_root)
+        except ValueError:  # outside the import root: its file name is all a test can spell
+            name = pathlib.PurePosixPath(rel).stem
+        return any(name in text for text in texts)
+
+    return [r for r in inv.references if r not in unsure or named(r)]
 
 
 class _Reach:

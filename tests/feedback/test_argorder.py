@@ -297,3 +297,33 @@ def test_a_tensor_is_its_kernel_parameter_s_namesake_in_triton_s_spellings(tmp_p
     sites = _sites(root)
     assert len(sites) == 1 and sites[0].symbol == "launch", [s.message for s in sites]
     assert "passes `k` as parameter 1 (Q; `k` is parameter 2), `q` as parameter 2 (K_ptr;" in sites[0].message
+
+
+def test_a_launch_written_one_argument_a_line_is_blamed_at_the_first_moved_argument(tmp_path):
+    # lightllm's launches pass one argument a line: the call starts four lines above the two that trade places
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/k.py": """
+        import triton
+        import triton.language as tl
+
+
+        @triton.jit
+        def repack(kv_index, req_index, out_index, seq_len, start_loc, BLOCK: tl.constexpr):
+            pass
+
+
+        def launch(kv_index, req_index, out_index, seq_len, start_loc):
+            repack[(1,)](
+                kv_index,
+                req_index,
+                out_index,
+                start_loc,
+                seq_len,
+                BLOCK=8,
+            )
+        """})
+    sites = _sites(root)
+    text = (root / "pkg" / "k.py").read_text().splitlines()
+    moved = text.index("        start_loc,") + 1
+    declared = next(i for i, ln in enumerate(text, 1) if ln.startswith("def repack("))
+    assert [(s.symbol, s.line) for s in sites] == [("repack", declared), ("launch", moved)], sites
+    assert f"pkg/k.py:{moved}" in sites[0].message

@@ -293,3 +293,18 @@ def test_where_a_line_lies_is_a_risk_whatever_its_words(tmp_path, old, new, rule
 def test_edits_outside_kernels_locks_and_settings_are_clean(tmp_path, old, new):
     result = _judge_edit(tmp_path, old, new)
     assert result.decision == "clean", [f.render() for f in result.findings]
+
+
+def test_a_moved_launch_argument_is_shown_on_both_sides_each_numbered_and_marked_as_its_side(tmp_path):
+    # lightllm's planted swap, fixed by moving one argument line: the removed line is numbered as the file was
+    # and says so, the added one as the file is now; a reviewer sees both texts, never one twice unmarked
+    from infra_agent.gate import by_line
+
+    moved = _judge_edit(tmp_path, "_add[(1,)](a, b, out, n)", "_add[(1,)](b, a, out, n)")
+    launch = [f for f in moved.findings if f.rule == "ast.kernel-launch"]
+    assert [(f.removed, f.text.strip()) for f in launch] == [(False, "_add[(1,)](b, a, out, n)"),
+                                                             (True, "_add[(1,)](a, b, out, n)")], launch
+    at = KERNEL_FILE.splitlines().index("    _add[(1,)](a, b, out, n)") + 1
+    assert by_line(moved.findings) == [f"k.py:{at} numerics (ast.kernel-launch): _add[(1,)](b, a, out, n)",
+                                       f"k.py:{at} (removed) numerics (ast.kernel-launch): _add[(1,)](a, b, out, n)"]
+    assert launch[1].render().startswith(f"numerics: ast.kernel-launch at k.py:{at} (removed): ")

@@ -47,7 +47,8 @@ TEST_BROAD = "import mylib\n\n\ndef test_import():\n    assert mylib\n"
 def _repo(root: pathlib.Path) -> pathlib.Path:
     files = {"src/mylib/__init__.py": "", "src/mylib/ops/__init__.py": "", "src/mylib/ops/scale.py": KERNEL,
              "src/mylib/ops/naive.py": NAIVE, "tests/test_scale.py": TEST_KERNEL, "tests/test_pkg.py": TEST_BROAD,
-             "benchmarks/bench_scale.py": "print('{}')\n", "pyproject.toml": "[project]\nname = 'mylib'\n",
+             "benchmarks/__init__.py": "", "benchmarks/bench_scale.py": "print('{}')\n",
+             "pyproject.toml": "[project]\nname = 'mylib'\n",
              "src/mylib/serve.py": "import torch\n\n\ndef start():\n    torch.set_float32_matmul_precision('high')\n"}
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -239,3 +240,21 @@ def test_a_name_the_package_re_exports_reaches_its_own_kernel_and_the_main_suite
     chosen = [p["pytest"][0] for p in yaml.safe_load(starter_manifest(inv))["probes"] if "pytest" in p]
     # one test per kernel: the main suite's where both can run here, the one this machine can import otherwise
     assert sorted(chosen) == ["tests/backend/test_act.py", "tests/main/test_k0.py", "tests/main/test_norm.py"]
+
+
+def test_a_file_named_like_a_reference_is_protected_only_where_the_kernels_or_their_tests_use_it(tmp_path):
+    # lightllm's server/embed_cache/impl/naive_memory_cache.py is the server's only cache, not a reference: a
+    # patch to it must not be refused; a reference model a test imports, or a naive.py beside the kernels, is one
+    files = {"pkg/__init__.py": "", "pkg/ops/__init__.py": "", "pkg/ops/scale.py": KERNEL,
+             "pkg/ops/naive.py": NAIVE.replace("mylib", "pkg"), "pkg/server/__init__.py": "",
+             "pkg/server/naive_memory_cache.py": "class Cache:\n    pass\n",
+             "pkg/models/__init__.py": "", "pkg/models/ref_model.py": "def forward(x):\n    return x\n",
+             "tests/test_model.py": "from pkg.models.ref_model import forward\n\n\n"
+                                    "def test_f():\n    assert forward(1)\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    inv = inspect(tmp_path)
+    assert inv.references == ["pkg/models/ref_model.py", "pkg/ops/naive.py"]
+    protected = yaml.safe_load(starter_manifest(inv))["protected"]
+    assert "pkg/server/naive_memory_cache.py" not in protected and "pkg/ops/naive.py" in protected
