@@ -129,6 +129,10 @@ def init(
                   f"in {len(inv.kernel_files)} file(s), {len(inv.test_files)} test file(s) ({len(inv.kernel_tests)} "
                   f"reach kernels; {sum(p.pytest is not None for p in written)} written as pytest probes), "
                   f"{len(inv.bench_files)} benchmark script(s) listed", highlight=False)
+    for conftest, needs in sorted(inv.conftest_needs.items()):
+        console.print(f"[yellow]note:[/] {conftest} needs {', '.join(needs)} (its imports, or theirs), not installed "
+                      f"here: no test under it can run on this machine without (`pip install {' '.join(needs)}`; "
+                      f"until then their probes are skipped, not failed)", highlight=False)
     if (ignored := _ignored_by_git(out)) is not None:
         console.print(f"[yellow]note:[/] git ignores {out} here ({ignored}): a session judges by this copy as it "
                       f"is, but it is not committed with the tree; `git add -f {out}` keeps it", highlight=False)

@@ -45,6 +45,7 @@ class Inventory:
     kernel_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it reaches
     direct_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports itself
     test_needs: dict[str, list[str]] = field(default_factory=dict)  # test file -> packages it imports, absent here
+    conftest_needs: dict[str, list[str]] = field(default_factory=dict)  # conftest.py -> absent packages it imports
     bench_files: list[str] = field(default_factory=list)
     references: list[str] = field(default_factory=list)
 
@@ -196,6 +197,8 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         rel = path.relative_to(root).as_posix()
         if _is_test(rel):
             inv.test_files.append(rel)
+        elif path.name == "conftest.py" and (needs := _unconditional_needs(root, inv.import_root, path)):
+            inv.conftest_needs[rel] = needs
         elif any(rel.startswith(p + "/") for p in inv.packages):
             source = _read(path)
             name = _module(rel, inv.import_root)
@@ -232,6 +235,41 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         if direct:
             inv.direct_tests[test] = sorted(direct)
     return inv
+
+
+def _unconditional_needs(root: pathlib.Path, import_root: str, path: pathlib.Path, hops: int = 3) -> list[str]:
+    """The packages a ``conftest.py`` imports at its top level (not under ``try`` or ``if``), itself or through the
+    tree's modules it so imports (up to ``hops`` away), that this machine cannot import: pytest stops before
+    collecting any test under it (Liger-Kernel's `test/conftest.py` imports `test.utils`, which imports
+    `transformers`), so every probe of those tests is skipped here until they are installed."""
+    # pytest's default import mode puts the first folder up from the conftest that is no package on the path
+    top_folder = path.parent
+    while (top_folder / "__init__.py").is_file() and top_folder != root:
+        top_folder = top_folder.parent
+    roots = list(dict.fromkeys([root / import_root, root, top_folder]))
+    missing: set[str] = set()
+    seen, frontier = {path}, [path]
+    for _ in range(hops + 1):
+        nxt = []
+        for file in frontier:
+            tree = _parse(_read(file), str(file))
+            if tree is None:
+                continue
+            names = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names} | {
+                n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+            for name in names:
+                top = name.split(".")[0]
+                own = next((f for r in roots for f in (r.joinpath(*name.split(".")).with_suffix(".py"),
+                                                       r.joinpath(*name.split("."), "__init__.py")) if f.is_file()),
+                           None)
+                if own is not None:
+                    if own not in seen:
+                        seen.add(own)
+                        nxt.append(own)
+                elif not importable(top, roots):
+                    missing.add(top)
+        frontier = nxt
+    return sorted(missing)
 
 
 def _used_references(inv: Inventory) -> list[str]:
@@ -410,6 +448,9 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
     notes = ["# Starter manifest: edit freely, then `infra-agent manifest check`.",
              f"# found: {len(inv.packages)} package(s), {len(inv.kernel_files)} file(s) with Triton kernels, "
              f"{len(inv.test_files)} test file(s), {len(inv.bench_files)} benchmark script(s)"]
+    for conftest, needs in sorted(inv.conftest_needs.items()):
+        notes.append(f"# not installed here: {', '.join(needs)}, which {conftest} needs: pytest stops before "
+                     f"collecting the tests under {pathlib.PurePosixPath(conftest).parent}/ (skipped, not failed)")
     others = [t for t in inv.test_files if t not in chosen]
     if others:
         notes.append("# other test files (add a pytest probe for those that judge code you change):")

@@ -258,3 +258,24 @@ def test_a_file_named_like_a_reference_is_protected_only_where_the_kernels_or_th
     assert inv.references == ["pkg/models/ref_model.py", "pkg/ops/naive.py"]
     protected = yaml.safe_load(starter_manifest(inv))["protected"]
     assert "pkg/server/naive_memory_cache.py" not in protected and "pkg/ops/naive.py" in protected
+
+
+def test_init_names_what_a_conftest_needs_and_the_probes_say_skipped_not_failed(tmp_path):
+    # Liger-Kernel: test/conftest.py imports test.utils, which imports transformers; pytest stops before collecting
+    # anything.  init says so up front; the feedback skips (not fails) with the package named
+    root = _repo(tmp_path / "mylib")
+    (root / "tests" / "__init__.py").write_text("")
+    (root / "tests" / "helpers.py").write_text("import os\nimport a_model_hub_not_installed_here\n")
+    (root / "tests" / "conftest.py").write_text(
+        "import pytest\n\nfrom tests.helpers import os\n\ntry:\n    import an_optional_extra_not_installed\n"
+        "except ImportError:\n    pass\n")
+    out = _cli("init", str(root), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    said = " ".join(out.stdout.split())
+    assert "tests/conftest.py needs a_model_hub_not_installed_here" in said, out.stdout
+    assert "an_optional_extra" not in said  # imported under try: optional
+    assert "# not installed here: a_model_hub_not_installed_here, which tests/conftest.py needs" in \
+        (root / "infra-agent.yaml").read_text()
+    fb = _cli("feedback", "--target", str(root), "--probe", "tests.scale", "--json", "--no-cache", cwd=tmp_path)
+    result = json.loads(fb.stdout)["results"][0]
+    assert result["status"] == "skipped" and result["absent"] == ["a_model_hub_not_installed_here"], result
