@@ -44,15 +44,19 @@ def test_scale():
 TEST_BROAD = "import mylib\n\n\ndef test_import():\n    assert mylib\n"
 
 
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def _repo(root: pathlib.Path) -> pathlib.Path:
     files = {"src/mylib/__init__.py": "", "src/mylib/ops/__init__.py": "", "src/mylib/ops/scale.py": KERNEL,
              "src/mylib/ops/naive.py": NAIVE, "tests/test_scale.py": TEST_KERNEL, "tests/test_pkg.py": TEST_BROAD,
              "benchmarks/__init__.py": "", "benchmarks/bench_scale.py": "print('{}')\n",
              "pyproject.toml": "[project]\nname = 'mylib'\n",
              "src/mylib/serve.py": "import torch\n\n\ndef start():\n    torch.set_float32_matmul_precision('high')\n"}
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+    _write(root, files)
     repo = git.Repo.init(root, initial_branch="main")
     repo.git.add(A=True)
     repo.index.commit("mylib", author=git.Actor("t", "t@t"), committer=git.Actor("t", "t@t"))
@@ -154,9 +158,7 @@ def test_inspect_finds_packages_where_the_packaging_puts_them(tmp_path):
              "python/eng/ops/scale.py": KERNEL, "python/eng/serve.py": "x = 1\n", "tests/test_scale.py":
              "from eng.ops.scale import scale\n\n\ndef test_scale():\n    assert scale(2.0, 2.0) == 2.0\n",
              "benchmark/run.py": "print('{}')\n"}
-    for rel, text in files.items():
-        (declared / rel).parent.mkdir(parents=True, exist_ok=True)
-        (declared / rel).write_text(text)
+    _write(declared, files)
     inv = inspect(declared)
     assert inv.import_root == "python" and inv.packages == ["python/eng"]
     assert inv.kernels == {"python/eng/ops/scale.py": ["scale_kernel"]}
@@ -182,9 +184,7 @@ def test_a_test_of_a_wrapper_covers_the_kernel_files_the_wrapper_imports(tmp_pat
              "tests/test_layer.py": "import pkg.layer\n\n\ndef test_layer():\n    assert pkg.layer\n",
              "tests/test_other.py": "import os\n\n\ndef test_os():\n    assert os\n",
              "tests/test_k5.py": "from pkg.ops.k5 import scale\n\n\ndef test_k5():\n    assert scale\n"}
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    _write(tmp_path, files)
     inv = inspect(tmp_path)
     assert len(inv.kernel_files) == 8
     assert inv.kernel_tests["tests/test_combined.py"] == ["pkg/ops/k0.py", "pkg/ops/k1.py"]
@@ -229,9 +229,7 @@ def test_a_name_the_package_re_exports_reaches_its_own_kernel_and_the_main_suite
              "tests/main/test_k0.py": "from pkg.ops.k0 import scale\n\n\ndef test_k0():\n    assert scale\n",
              "tests/backend/test_norm.py": "from pkg.ops import NormFn\n\n\ndef test_parity():\n    assert NormFn\n",
              "tests/backend/test_act.py": "from pkg.ops import ActFn\n\n\ndef test_parity():\n    assert ActFn\n"}
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    _write(tmp_path, files)
     inv = inspect(tmp_path)
     assert inv.kernel_tests["tests/main/test_norm.py"] == ["pkg/ops/norm.py"]
     assert inv.direct_tests["tests/main/test_norm.py"] == ["pkg/ops/norm.py"]  # through the re-export: its own
@@ -251,9 +249,7 @@ def test_a_file_named_like_a_reference_is_protected_only_where_the_kernels_or_th
              "pkg/models/__init__.py": "", "pkg/models/ref_model.py": "def forward(x):\n    return x\n",
              "tests/test_model.py": "from pkg.models.ref_model import forward\n\n\n"
                                     "def test_f():\n    assert forward(1)\n"}
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    _write(tmp_path, files)
     inv = inspect(tmp_path)
     assert inv.references == ["pkg/models/ref_model.py", "pkg/ops/naive.py"]
     protected = yaml.safe_load(starter_manifest(inv))["protected"]
