@@ -283,6 +283,8 @@ def misplaced(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Fo
         foreign = _foreign(d.imports, ours)
         for node, caller in d.calls:
             func = node.func.value if isinstance(node.func, ast.Subscript) else node.func  # kernel[grid](...)
+            while isinstance(node.func, ast.Subscript) and isinstance(func, ast.Call) and func.args:
+                func = func.args[0]  # wrap_triton(kernel)[grid](...): torch.library's launch of `kernel`
             root = func
             while isinstance(root, ast.Attribute):
                 root = root.value

@@ -40,6 +40,10 @@ _NO_GPU = (
     "active drivers ([]). There should only be one",  # Triton without a GPU and without its interpreter
     "libcuda.so",  # Triton looking for the driver library
 )
+# a test that asserts the GPU is there (torchao: `assert torch.cuda.is_available()`), as the traceback's source line
+# or pytest's explanation of the failed assertion shows it
+_ASKS_GPU = re.compile(r"^\s*assert\s+(?:torch\.)?cuda\.is_available\(\)\s*(?:,.*)?$|"
+                       r"where False = <function is_available\b", re.M)
 _NO_MODULE = re.compile(r"(?:ModuleNotFoundError|ImportError): No module named '(?P<name>[\w.]+)'")
 _NO_NAME = re.compile(r"ImportError: cannot import name '(?P<attr>\w+)' from '(?P<name>[\w.]+)'")
 # a native library the machine does not have (the CUDA runtime of a compiled extension, say)
@@ -57,8 +61,11 @@ def lacks(text: str, roots: Iterable[pathlib.Path]) -> str | None:
     """What the failure's ``text`` says this machine lacks ("CUDA (Torch not compiled with CUDA enabled)",
     "the package 'tqdm'"), or None when the failure is the code's."""
     roots = list(roots)
-    for line in reversed(text.strip().splitlines()):
-        line = re.sub(r"^E\s+", "", line.strip())
+    lines = text.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        line = re.sub(r"^E\s+", "", lines[i].strip())
+        if line.startswith("AssertionError") and _ASKS_GPU.search(text):
+            return "a CUDA GPU (the test asserts that torch.cuda.is_available())"
         if m := _NO_MODULE.search(line):
             if provided(m["name"], roots):
                 return None

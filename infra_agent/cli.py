@@ -414,13 +414,15 @@ def gate_cmd(
         from infra_agent.gate import by_line
 
         held = result.decision == "held"
-        also = (f" (the rest alone would be held: {', '.join(result.categories)})"
-                if result.refused and result.held else "")
+        rest = sorted({f.category for f in result.findings})
+        also = (f" (the rest alone would be held: {', '.join(rest)})" if result.refused and rest else
+                " (and the rest could not be classified)" if result.refused and result.error else "")
         console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if held else also))
         for line in by_line(result.findings):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
-        if result.refused or result.error:
-            console.print(f"  {result.refused or result.error}", highlight=False, soft_wrap=True)
+        for why in (result.refused, result.error):  # a refusal and the error that stopped the rest: both said
+            if why:
+                console.print(f"  {why}", highlight=False, soft_wrap=True)
     raise typer.Exit({"clean": 0, "held": 1}.get(result.decision, 2))
 
 

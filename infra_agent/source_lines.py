@@ -94,6 +94,14 @@ def _span(node: ast.AST) -> range:
     return range(node.lineno, (node.end_lineno or node.lineno) + 1)
 
 
+def _launched(value: ast.expr) -> ast.expr:
+    """What a subscripted launch launches: ``k`` of ``k[grid]``, and of ``wrap_triton(k)[grid]`` (torch.library's
+    wrapper of a Triton kernel, or any call that takes the kernel first)."""
+    while isinstance(value, ast.Call) and value.args:
+        value = value.args[0]
+    return value
+
+
 def python_regions(tree: ast.Module | None) -> Regions:
     """The :class:`Regions` of a parsed Python source (none without one), from one walk of its tree.
 
@@ -126,7 +134,7 @@ def python_regions(tree: ast.Module | None) -> Regions:
         elif isinstance(node, ast.Import):
             names.update(a.asname or a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and (
-                root := dotted(node.func.value).split(".")[0]):
+                root := dotted(_launched(node.func.value)).split(".")[0]):
             subscripted.append((root, node))
     launches = {line for root, call in subscripted if root in names for line in _span(call)}
     return Regions(frozenset(docs), frozenset(kernels), frozenset(locked), frozenset(launches))

@@ -212,7 +212,6 @@ def inspect(root: str | pathlib.Path) -> Inventory:
             inv.bench_files.append(rel)
         if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
             inv.references.append(rel)
-    inv.references = _used_references(inv)
     modules = {_module(f, inv.import_root): f for f in inv.kernel_files}
     broad = max(4, len(modules) // 4)  # `import pkg` names every kernel: it says nothing about what is tested
     reach = _Reach(graph, modules, broad)
@@ -234,6 +233,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
                                            and not importable(top, roots)})
         if direct:
             inv.direct_tests[test] = sorted(direct)
+    inv.references = _used_references(inv)
     return inv
 
 
@@ -274,13 +274,14 @@ def _unconditional_needs(root: pathlib.Path, import_root: str, path: pathlib.Pat
 
 def _used_references(inv: Inventory) -> list[str]:
     """The files named like a reference (``naive.py``, ``ref_attention.py``) that the kernels or their tests use as
-    one: beside a kernel file, or imported by a test by their module's name.  A production module that happens to
-    be called ``naive_memory_cache`` is no reference, and protecting it would refuse every patch to it."""
+    one: beside a kernel file, or imported by a test of a kernel by their module's name.  A production module that
+    happens to be called ``naive_memory_cache`` (lightllm) or ``reference_representation_rewrite`` (torchao, whose
+    own tests import it) is no reference, and protecting it would refuse every patch to it."""
     kernel_dirs = {str(pathlib.PurePosixPath(f).parent) for f in inv.kernel_files}
     unsure = {r for r in inv.references if str(pathlib.PurePosixPath(r).parent) not in kernel_dirs}
     if not unsure:
         return inv.references
-    texts = [_read(inv.root / t) for t in inv.test_files]
+    texts = [_read(inv.root / t) for t in inv.kernel_tests]
 
     def named(rel: str) -> bool:
         try:
@@ -437,8 +438,7 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
     for i, pid in enumerate(ids):  # two test files with one stem: keep ids unique
         if ids.count(pid) > 1:
             probes[i]["id"] = f"{pid}_{i}"
-    tests_dirs = sorted({pathlib.PurePosixPath(t).parts[0] + "/**" for t in inv.test_files
-                         if len(pathlib.PurePosixPath(t).parts) > 1})
+    tests_dirs = _test_globs(inv)
     data = {"schema_version": 1, "name": name or inv.root.name,
             "description": f"starter manifest written by `infra-agent init` for {inv.root.name}",
             "python_path": [inv.import_root], "probes": probes,
@@ -460,6 +460,23 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         notes.append("# benchmark scripts (a `command` probe runs one that prints a JSON object of metrics last):")
         notes += [f"#   {b}" for b in inv.bench_files[:20]]
     return "\n".join(notes) + "\n" + text
+
+
+def _test_globs(inv: Inventory) -> list[str]:
+    """What protects the tests: a top folder of tests whole (``tests/**``: its helpers judge too), and elsewhere
+    the test files alone, by their names' pattern under that folder.  torchao keeps a few ``*_test.py`` files
+    inside its package: protecting the package's folder would refuse every patch to the code under test."""
+    out: set[str] = set()
+    package_tops = {pathlib.PurePosixPath(p).parts[0] for p in inv.packages}
+    for t in inv.test_files:
+        parts = pathlib.PurePosixPath(t).parts
+        if len(parts) == 1:
+            out.add(t)
+        elif "test" in parts[0].lower() and parts[0] not in package_tops:
+            out.add(f"{parts[0]}/**")
+        else:
+            out.add(f"{parts[0]}/**/test_*.py" if parts[-1].startswith("test_") else f"{parts[0]}/**/*_test.py")
+    return sorted(out)
 
 
 def _count(inv: Inventory, check: str, paths: list[str]) -> int:

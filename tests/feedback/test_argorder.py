@@ -327,3 +327,24 @@ def test_a_launch_written_one_argument_a_line_is_blamed_at_the_first_moved_argum
     declared = next(i for i, ln in enumerate(text, 1) if ln.startswith("def repack("))
     assert [(s.symbol, s.line) for s in sites] == [("repack", declared), ("launch", moved)], sites
     assert f"pkg/k.py:{moved}" in sites[0].message
+
+
+def test_a_launch_through_wrap_triton_is_a_launch_of_the_kernel_it_wraps(tmp_path):
+    # torchao launches a fifth of its kernels as torch.library.wrap_triton(kernel)[grid](...)
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/k.py": """
+        import triton
+        import triton.language as tl
+        from torch.library import wrap_triton
+
+
+        @triton.jit
+        def scaled_mm(a_ptr, b_ptr, a_s, b_s, BLOCK: tl.constexpr):
+            pass
+
+
+        def mm(a_ptr, b_ptr, a_s, b_s):
+            wrap_triton(scaled_mm)[(1,)](a_ptr, b_ptr, b_s, a_s, BLOCK=8)
+        """})
+    sites = _sites(root)
+    assert [s.symbol for s in sites] == ["scaled_mm", "mm"], sites
+    assert "passes `b_s` as parameter 3 (a_s" in sites[1].message

@@ -237,3 +237,34 @@ def test_a_conftest_that_imports_a_missing_package_is_the_machines_and_a_candida
     # a conftest broken by the tree's own code is the code's: an error, never excused as the machine's
     _, own = tree("own", "from pkg.core import renamed_away  # noqa: F401\n")
     assert own.status == Status.error and own.absent == [], own.reason
+
+
+def test_a_test_that_asserts_a_gpu_is_there_needs_one_and_is_not_the_codes_failure(tmp_path):
+    # torchao's kernel tests begin with `assert torch.cuda.is_available()`: on a machine without a GPU that is
+    # the machine's lack, not 42 failures of the code; an assertion about the code's results stays a failure
+    import torch
+
+    tree = tmp_path / "tree"
+    (tree / "tests").mkdir(parents=True)
+    (tree / "tests" / "test_fp8.py").write_text(textwrap.dedent("""
+        import torch
+
+
+        def test_cast():
+            assert torch.cuda.is_available()
+            assert torch.ones(2).sum() == 2
+
+
+        def test_values():
+            assert torch.ones(2).sum() == 3
+        """))
+    (tree / "infra-agent.yaml").write_text("schema_version: 1\nname: t\nprobes:\n"
+                                           "  - {id: fp8, kind: correctness, pytest: [tests/test_fp8.py]}\n")
+    manifest = load_manifest(tree)
+    result = Runner(tree, manifest).run(manifest.probes)[0]
+    assert result.status == Status.failed and result.metrics["failed"].value == 1  # test_values: the code's
+    if torch.cuda.is_available():
+        assert result.metrics["passed"].value == 1
+    else:
+        assert result.metrics["unrunnable"].value == 1, result.metrics
+        assert "the test asserts that torch.cuda.is_available()" in " ".join(f.message for f in result.findings)

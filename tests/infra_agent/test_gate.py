@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -199,6 +200,13 @@ def test_gate_cli_on_a_repository_without_a_manifest_and_with_one_kept_outside(t
     assert r.returncode == 2 and "protected" in json.loads(r.stdout)["refused"] and "note" not in r.stderr
     missing = run(held, "--manifest", str(tmp_path / "nowhere.yaml"))
     assert missing.returncode == 2 and "no such manifest file" in missing.stderr
+    # a patch that is refused and does not apply (already applied): the text names both, not only the refusal
+    (repo / "tests" / "test_step.py").write_text("def test_step():\n    assert 1\n")
+    plain = subprocess.run([sys.executable, "-m", "infra_agent.cli", "gate", str(tests_diff), "--target", str(repo),
+                            "--manifest", str(outside)], capture_output=True, text=True, env={**os.environ,
+                                                                                             "COLUMNS": "200"})
+    assert plain.returncode == 2 and "refused (and the rest could not be classified)" in plain.stdout, plain.stdout
+    assert "is protected" in plain.stdout and "does not apply" in plain.stdout, plain.stdout
 
 
 KERNEL_FILE = """import triton
@@ -268,6 +276,9 @@ def _judge_edit(tmp_path, old: str, new: str):
     # a kernel's launch: its arguments' order, its grid and compile-time constants, a kernel defined here,
     # imported, or reached through an imported module
     ("_add[(1,)](a, b, out, n)", "_add[(1,)](b, a, out, n)", "ast.kernel-launch", "numerics"),
+    # torchao's launches through torch.library: wrap_triton(kernel)[grid](...)
+    ("_add[(1,)](a, b, out, n)", "torch.library.wrap_triton(_add)[(1,)](b, a, out, n)", "ast.kernel-launch",
+     "numerics"),
     ("_mul[(n // 64,)](a, b, out, 64)", "_mul[(n // 32,)](a, b, out, 32)", "ast.kernel-launch", "numerics"),
     ("ops.scale[(n,)](out, 2.0)", "ops.scale[(n,)](out,\n                    0.5)", "ast.kernel-launch",
      "numerics"),

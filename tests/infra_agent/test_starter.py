@@ -242,13 +242,18 @@ def test_a_name_the_package_re_exports_reaches_its_own_kernel_and_the_main_suite
 
 def test_a_file_named_like_a_reference_is_protected_only_where_the_kernels_or_their_tests_use_it(tmp_path):
     # lightllm's server/embed_cache/impl/naive_memory_cache.py is the server's only cache, not a reference: a
-    # patch to it must not be refused; a reference model a test imports, or a naive.py beside the kernels, is one
+    # patch to it must not be refused; a reference model a kernel's test imports, or a naive.py beside the
+    # kernels, is one
     files = {"pkg/__init__.py": "", "pkg/ops/__init__.py": "", "pkg/ops/scale.py": KERNEL,
              "pkg/ops/naive.py": NAIVE.replace("mylib", "pkg"), "pkg/server/__init__.py": "",
              "pkg/server/naive_memory_cache.py": "class Cache:\n    pass\n",
              "pkg/models/__init__.py": "", "pkg/models/ref_model.py": "def forward(x):\n    return x\n",
-             "tests/test_model.py": "from pkg.models.ref_model import forward\n\n\n"
-                                    "def test_f():\n    assert forward(1)\n"}
+             "tests/test_model.py": "from pkg.models.ref_model import forward\nfrom pkg.ops.scale import scale\n\n\n"
+                                    "def test_f():\n    assert forward(1) and scale\n",
+             # a production module its own tests import (torchao's reference_representation_rewrite)
+             "pkg/models/reference_rewrite.py": "def rewrite(g):\n    return g\n",
+             "tests/test_rewrite.py": "from pkg.models.reference_rewrite import rewrite\n\n\n"
+                                      "def test_r():\n    assert rewrite(1)\n"}
     _write(tmp_path, files)
     inv = inspect(tmp_path)
     assert inv.references == ["pkg/models/ref_model.py", "pkg/ops/naive.py"]
@@ -275,3 +280,20 @@ def test_init_names_what_a_conftest_needs_and_the_probes_say_skipped_not_failed(
     fb = _cli("feedback", "--target", str(root), "--probe", "tests.scale", "--json", "--no-cache", cwd=tmp_path)
     result = json.loads(fb.stdout)["results"][0]
     assert result["status"] == "skipped" and result["absent"] == ["a_model_hub_not_installed_here"], result
+
+
+def test_tests_inside_the_package_are_protected_by_name_not_by_protecting_the_package(tmp_path):
+    # torchao keeps torchao/prototype/.../fp8_dynamic_tensorwise_test.py inside its package: `torchao/**` would
+    # refuse every patch to the code under test
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/ops.py": "def f():\n    return 1\n",
+                      "pkg/sub/__init__.py": "", "pkg/sub/fp8_test.py": "def test_f():\n    pass\n",
+                      "tests/test_a.py": "def test_a():\n    pass\n", "tests/helpers.py": "",
+                      "scripts/test_tool.py": "def test_t():\n    pass\n", "test_root.py": "def test_r():\n    pass\n"})
+    protected = yaml.safe_load(starter_manifest(inspect(tmp_path)))["protected"]
+    assert [p for p in protected if p not in ("**/conftest.py", "infra-agent.yaml")] == [
+        "pkg/**/*_test.py", "scripts/**/test_*.py", "test_root.py", "tests/**"]
+    from feedback.manifest import parse_manifest
+
+    manifest = parse_manifest(starter_manifest(inspect(tmp_path)))
+    assert manifest.is_protected("pkg/sub/fp8_test.py") and manifest.is_protected("tests/helpers.py")
+    assert not manifest.is_protected("pkg/ops.py")
