@@ -331,18 +331,28 @@ def restored_args(call: ast.Call, found: Misplaced) -> dict[int, int] | None:
     return {at: own for _, at, own in found.moves}
 
 
+def _declared(sig: Signature) -> str:
+    return f"`{sig.name}` ({sig.file}:{sig.line}) declares ({', '.join(sig.params)})"
+
+
+def call_site(found: Misplaced) -> Site:
+    """The check's site of a misplaced call that is the call's fault (at its first moved argument)."""
+    return Site(found.file, found.where, found.caller or found.callee.name,
+                f"call of {_declared(found.callee)} passes {found.describe()}")
+
+
 def argument_order(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Site]:
     """The built-in check: a site per call in another order than its callee (or per definition that every
     naming call disagrees with; see the module's text)."""
     for sig, bad, calls, odd in _by_definition(modules):
-        declared = f"`{sig.name}` ({sig.file}:{sig.line}) declares ({', '.join(sig.params)})"
+        declared = _declared(sig)
         if odd:
             where = ", ".join(f"{f.file}:{f.where}" for f in bad)
             yield Site(sig.file, sig.line, sig.name, f"{declared}, but all {len(bad)} calls that pass names "
                        f"pass {bad[0].describe()} ({where}): the declaration's order is the odd one out")
             continue
         for f in bad:
-            yield Site(f.file, f.where, f.caller or sig.name, f"call of {declared} passes {f.describe()}")
+            yield call_site(f)
             if calls == 1:
                 yield Site(sig.file, sig.line, sig.name, f"{declared}; its one call that passes names "
                            f"({f.file}:{f.where}) passes {f.describe()}")

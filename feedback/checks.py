@@ -252,8 +252,13 @@ def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site
     aliases = import_aliases(tree)
     for fn in kernels(tree, aliases):
         for node in implicit_dots(fn, every, aliases):
-            yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no "
-                       "input_precision, so the device's default (tf32 on NVIDIA tensor cores)")
+            yield dot_site(rel, fn, node)
+
+
+def dot_site(rel: str, fn: ast.FunctionDef, node: ast.Call) -> Site:
+    """The dot-precision check's site of the dot ``node`` in kernel ``fn``."""
+    return Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands and no input_precision, so "
+                "the device's default (tf32 on NVIDIA tensor cores)")
 
 
 def import_aliases(tree: ast.AST) -> dict[str, str]:

@@ -202,6 +202,10 @@ class ProbeSpec(BaseModel):
 
             if self.check not in CHECKS:
                 raise ValueError(f"unknown check {self.check!r}; built in: {', '.join(sorted(CHECKS))}")
+            tolerated = self.params.get("tolerated", [])
+            if not isinstance(tolerated, list) or not all(isinstance(t, str) for t in tolerated):
+                raise ValueError("params.tolerated must be a list of sites, each 'file: symbol: message' "
+                                 "(as `infra-agent init` writes them)")
         return self
 
 

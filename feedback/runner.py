@@ -507,6 +507,7 @@ class Runner:
         """A built-in static check (feedback/checks.py), in this process: it only reads the tree's source."""
         from feedback.checks import DigestStore, run_check
         from feedback.models import Finding, Location
+        from feedback.sites import TOLERATED, split_tolerated
 
         t0 = time.perf_counter()
         try:
@@ -515,14 +516,22 @@ class Runner:
                                              store=DigestStore(self.cache_dir / "digests"), **options)
         except ValueError as exc:
             return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
+        # the sites the manifest tolerates (what the tree had when `init` wrote it) are reported, not counted
+        counted, unreadable = sites[:count], sites[count:]  # (a file that does not parse is a finding, not a site)
+        counted, tolerated, stale = split_tolerated(counted, spec.params.get("tolerated", []))
+        count = len(counted)
         threshold = spec.thresholds.get(metric)
         failed = count > 0 and threshold is None  # a threshold, where given, decides instead
         # the sites are what the count counted: where a threshold on it is violated, they are what failed, each
         # at its line (apply_thresholds adds the bound's own line)
         sites_failed = failed or (threshold is not None and threshold.violated(count))
-        findings = [Finding(message=s.message, location=Location(file=s.file, symbol=s.symbol,
-                                                                  condition=f"line {s.line}"), failed=sites_failed)
-                    for s in sites[:50]]
+        findings = [Finding(message=s.message + (TOLERATED if ok else ""),
+                            location=Location(file=s.file, symbol=s.symbol, condition=f"line {s.line}"),
+                            failed=sites_failed and not ok)
+                    for s, ok in ([(s, False) for s in counted + unreadable] + [(s, True) for s in tolerated])[:50]]
+        if stale:
+            findings.append(Finding(message=f"{stale} site(s) the manifest tolerates are no longer found (fixed, or "
+                                            "changed): params.tolerated can drop them"))
         return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
                            metrics={metric: Metric(value=count, better="lower")}, findings=findings,
                            duration_s=time.perf_counter() - t0), True

@@ -29,6 +29,31 @@ _NUMBERS = re.compile(r":\d+\b|\bline \d+")
 SiteKey = tuple[str, str, str, str]
 
 
+TOLERATED = " (tolerated in the manifest)"
+
+
+def tolerated_key(file: str, symbol: str | None, message: str) -> str:
+    """How a manifest names a site it tolerates (a static check's ``params.tolerated``, written by ``init`` for
+    what the tree had then): ``file: symbol: message``, the line numbers in the message left out, so that an
+    edit above the site does not make it new."""
+    return f"{file}: {symbol or '-'}: {_NUMBERS.sub('', message).strip()}"
+
+
+def split_tolerated(sites: list, tolerated: list[str]) -> tuple[list, list, int]:
+    """(the sites the manifest does not tolerate, the tolerated ones, how many tolerated entries matched no site):
+    identical sites are counted, so a second copy of a tolerated line is new."""
+    left = Counter(tolerated)
+    new, kept = [], []
+    for site in sites:
+        key = tolerated_key(site.file, site.symbol, site.message)
+        if left[key] > 0:
+            left[key] -= 1
+            kept.append(site)
+        else:
+            new.append(site)
+    return new, kept, sum(left.values())
+
+
 def _reader(tree: pathlib.Path) -> Callable[[str, int], str | None]:
     lines: dict[str, list[str]] = {}
 

@@ -277,10 +277,11 @@ def _scope(probes: list[str], report: FeedbackReport, covers: dict[str, list[str
     return scope
 
 
-def _finding_files(result) -> set[str]:
-    """The files a probe result's findings name (a location may list several, comma-separated)."""
-    return {part.strip() for f in result.findings if f.location.file for part in f.location.file.split(",")
-            if part.strip()}
+def _finding_files(result, failed_only: bool = False) -> set[str]:
+    """The files a probe result's findings name (a location may list several, comma-separated); ``failed_only``:
+    those of the findings that failed (not a site the baseline had too, or one the manifest tolerates)."""
+    return {part.strip() for f in result.findings if f.location.file and (f.failed or not failed_only)
+            for part in f.location.file.split(",") if part.strip()}
 
 
 def _in(path: str, globs: set[str]) -> bool:
@@ -293,7 +294,8 @@ def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[Cod
     A pattern such as "a dot without a precision" matches all over a large repository; the feedback
     says which file is at fault, and the change belongs there."""
     # a finding located by a glob (a count over its threshold, located at the probe's paths) points at no file
-    pointed = {path for r in report.results if r.status.value == "fail" for path in _finding_files(r)
+    pointed = {path for r in report.results if r.status.value == "fail"
+               for path in (_finding_files(r, failed_only=True) or _finding_files(r))
                if not any(c in path for c in "*?[")}
     if not pointed:
         return matches

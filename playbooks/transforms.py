@@ -18,6 +18,30 @@ def _files(matches: list[CodeMatch]) -> list[str]:
     return sorted({m.file for m in matches})
 
 
+class _Tolerated:
+    """The sites the manifest's static checks tolerate (knob ``tolerated``, ``file: symbol: message`` each, as
+    ``init`` lists what the tree had): a transform leaves them as they are.  Counted: a second identical site
+    is not tolerated by one entry."""
+
+    def __init__(self, keys: list[str]) -> None:
+        from collections import Counter
+
+        self.left = Counter(keys)
+
+    def take(self, site) -> bool:
+        from feedback.sites import tolerated_key
+
+        key = tolerated_key(site.file, site.symbol, site.message)
+        if self.left[key] > 0:
+            self.left[key] -= 1
+            return True
+        return False
+
+
+def _tolerated(knobs: dict[str, Any]) -> _Tolerated:
+    return _Tolerated(list(knobs.get("tolerated") or []))
+
+
 PRECISION_CONSTANT = "FP32_DOT_PRECISION"
 
 
@@ -59,8 +83,9 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
     otherwise a module-level constexpr, ``precision`` (tf32x3) where tf32 tensor cores exist and
     ``fallback`` (ieee) elsewhere, never a hard-coded tf32.
     """
-    from feedback.checks import implicit_dots, import_aliases, kernels
+    from feedback.checks import dot_site, implicit_dots, import_aliases, kernels
 
+    tolerated = _tolerated(knobs)
     changed = []
     for rel in _files(matches):
         path = tree / rel
@@ -74,6 +99,7 @@ def state_dot_precision(tree: pathlib.Path, matches: list[CodeMatch], knobs: dic
         if not chosen:
             chosen = [(fn, d) for fn in found for d in implicit_dots(fn, aliases=aliases, maybe_fp32=True)
                       if d.lineno in matched]
+        chosen = [(fn, d) for fn, d in chosen if not tolerated.take(dot_site(rel, fn, d))]
         edits: list[tuple[int, str]] = []
         constant = False
         for fn, node in chosen:
@@ -169,7 +195,7 @@ def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: 
     calls) is kept, read from the harness's digest store where it has one (knob ``digest_store``, the folder
     the runner's check keeps them in: a file unchanged since the check ran is not parsed again).  unsloth's
     1 800 files: 52 s and 1.5 GB with every tree kept, before."""
-    from feedback.argorder import call_faults, digest, restored_args
+    from feedback.argorder import call_faults, call_site, digest, restored_args
     from feedback.checks import DigestStore, python_files
 
     files = _files(matches)
@@ -196,8 +222,10 @@ def restore_argument_order(tree: pathlib.Path, matches: list[CodeMatch], knobs: 
         elif store is not None:
             store.put("argument_order", rel, src, digests[-1])
     faults: dict[str, list] = {}
+    tolerated = _tolerated(knobs)
     for found in call_faults(digests):
-        if found.file in files:
+        # a call the manifest tolerates (a starter lists the tree's own calls that trade names on purpose) stays
+        if found.file in files and not tolerated.take(call_site(found)):
             faults.setdefault(found.file, []).append(found)
     changed = []
     for rel, found_here in sorted(faults.items()):

@@ -28,6 +28,14 @@ class OfflineBackend:
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
         self._tried: set[str] = set()
 
+    def _tolerated(self) -> list[str]:
+        """The sites the manifest's static checks tolerate: a transform leaves them alone."""
+        try:
+            manifest = self.ws.judges() or self.ws.manifest()
+        except Exception:  # noqa: BLE001 - no readable manifest: nothing tolerated
+            return []
+        return [t for p in manifest.probes if p.check for t in p.params.get("tolerated", [])]
+
     def _covers(self) -> dict[str, list[str]] | None:
         """probe id -> the files its manifest entry covers: evidence is bound to the code it is about."""
         try:
@@ -105,7 +113,8 @@ class OfflineBackend:
         scratch = self.ws.new_candidate()
         try:
             # the digests the runner's whole-tree checks keep: a transform that reads the whole tree reads them
-            changed = run_transform(pb, scratch.path, app, knobs={"digest_store": str(self.ws.state.cache / "digests")})
+            changed = run_transform(pb, scratch.path, app, knobs={"digest_store": str(self.ws.state.cache / "digests"),
+                                                                  "tolerated": self._tolerated()})
             return self.ws.diff(scratch) if changed else ""
         finally:
             self.ws.discard(scratch)

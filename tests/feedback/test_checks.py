@@ -434,3 +434,37 @@ def test_a_whole_tree_check_keeps_each_files_digest_and_parses_only_what_changed
         kept.write_bytes(kept.read_bytes()[:10])
     parsed.clear()
     assert run_check("argument_order", tree, store=store)[1] == 0 and len(parsed) == 22
+
+
+def test_the_sites_a_manifest_tolerates_are_reported_not_counted_and_a_new_copy_still_counts(ext):
+    # `init` lists each site the tree has as tolerated (file: symbol: message): a site added later is told apart
+    # by name, though an edit above moves every line; a tolerated entry that matches nothing any more is named
+    from feedback.sites import tolerated_key
+
+    _, _, sites = run_check("kernel_loop_division", ext, ["pkg/kernels.py"])
+    (site,) = sites
+    keys = [tolerated_key(site.file, site.symbol, site.message), "pkg/kernels.py: gone: division in the kernel's "
+                                                                 "loop: a / b"]
+    manifest_text = textwrap.dedent(MANIFEST).replace(
+        "params: {paths: [pkg/kernels.py]},", f"params: {{paths: [pkg/kernels.py], tolerated: {keys!r}}},")
+    (ext / "infra-agent.yaml").write_text(manifest_text)
+
+    def judged():
+        manifest = load_manifest(ext)
+        return Runner(ext, manifest, use_cache=False).run([manifest.probe("x.div")])[0]
+
+    first = judged()
+    assert first.status == Status.passed and first.metrics["loop_divisions"].value == 0
+    assert [f.failed for f in first.findings] == [False, False]
+    assert first.findings[0].message.endswith("(tolerated in the manifest)")
+    assert first.findings[1].message.startswith("1 site(s) the manifest tolerates are no longer found")
+    # lines moved down by an edit above, and a second copy of the same division: the copy is new
+    kernels = (ext / "pkg" / "kernels.py").read_text()
+    (ext / "pkg" / "kernels.py").write_text("# a comment\n" + kernels.replace(
+        "        h = h / 2.0\n", "        h = h / 2.0\n        h = h / 2.0\n", 1))
+    second = judged()
+    assert second.status == Status.failed and second.metrics["loop_divisions"].value == 1
+    assert [f.failed for f in second.findings][:2] == [True, False], second.findings
+    with pytest.raises(ManifestError, match="params.tolerated must be a list"):
+        (ext / "infra-agent.yaml").write_text(manifest_text.replace(f"tolerated: {keys!r}", "tolerated: 3"))
+        load_manifest(ext)

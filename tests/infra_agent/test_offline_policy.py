@@ -222,16 +222,28 @@ def test_axpy():
 '''
 
 
+# torchao's roofline: the backward GEMMs pass (M, N, K) in other orders on purpose; init tolerates those calls
+ROOFLINE = '''def gemm_time(M, N, K):
+    return M * K + K * N + M * N
+
+
+def backward_time(M, N, K):
+    return gemm_time(M, K, N) + gemm_time(K, N, M)
+'''
+
+
 def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
     """A fresh repository with a Triton kernel, through the real CLI: `init` writes the manifest; a later commit
     swaps two pointers at the kernel's launch; the offline session restores the order, the kernel's own test
-    passes on the candidate, and the gate holds the launch change for a person (numerics)."""
+    passes on the candidate, and the gate holds the launch change for a person (numerics).  The calls that the
+    tree made in another order on purpose when `init` ran are tolerated, and the fix leaves them alone."""
     import json
     import subprocess
     import sys
 
     root = tmp_path / "mine"
-    files = {"mykern/__init__.py": "", "mykern/axpy.py": SCALE, "tests/test_axpy.py": SCALE_TEST}
+    files = {"mykern/__init__.py": "", "mykern/axpy.py": SCALE, "tests/test_axpy.py": SCALE_TEST,
+             "mykern/roofline.py": ROOFLINE}
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -259,3 +271,4 @@ def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
     fixed = repo.git.show(f"{attempt['branch']}:mykern/axpy.py")
     assert "](x, y, out, n, alpha, BLOCK=128)" in fixed
     assert repo.git.show("main:mykern/axpy.py") == swapped.rstrip("\n")  # main untouched
+    assert repo.git.show(f"{attempt['branch']}:mykern/roofline.py") == ROOFLINE.rstrip("\n")  # tolerated: as it was
