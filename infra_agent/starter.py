@@ -278,10 +278,13 @@ def _used_references(inv: Inventory) -> list[str]:
     happens to be called ``naive_memory_cache`` (lightllm) or ``reference_representation_rewrite`` (torchao, whose
     own tests import it) is no reference, and protecting it would refuse every patch to it."""
     kernel_dirs = {str(pathlib.PurePosixPath(f).parent) for f in inv.kernel_files}
-    unsure = {r for r in inv.references if str(pathlib.PurePosixPath(r).parent) not in kernel_dirs}
+    tested = {pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test") for t in inv.test_files}
+    # a file with tests of its own (test_<its name>.py) is code under test, wherever it lies
+    refs = [r for r in inv.references if pathlib.PurePosixPath(r).stem not in tested]
+    unsure = {r for r in refs if str(pathlib.PurePosixPath(r).parent) not in kernel_dirs}
     if not unsure:
-        return inv.references
-    texts = [_read(inv.root / t) for t in inv.kernel_tests]
+        return refs
+    texts = [_read(inv.root / t) for t in inv.direct_tests]  # the tests that import a kernel module themselves
 
     def named(rel: str) -> bool:
         try:
@@ -290,7 +293,7 @@ def _used_references(inv: Inventory) -> list[str]:
             name = pathlib.PurePosixPath(rel).stem
         return any(name in text for text in texts)
 
-    return [r for r in inv.references if r not in unsure or named(r)]
+    return [r for r in refs if r not in unsure or named(r)]
 
 
 class _Reach:

@@ -253,10 +253,12 @@ def test_a_file_named_like_a_reference_is_protected_only_where_the_kernels_or_th
              "pkg/models/__init__.py": "", "pkg/models/ref_model.py": "def forward(x):\n    return x\n",
              "tests/test_model.py": "from pkg.models.ref_model import forward\nfrom pkg.ops.scale import scale\n\n\n"
                                     "def test_f():\n    assert forward(1) and scale\n",
-             # a production module its own tests import (torchao's reference_representation_rewrite)
+             # a production module with tests of its own (torchao's reference_representation_rewrite), which
+             # also reach a kernel
              "pkg/models/reference_rewrite.py": "def rewrite(g):\n    return g\n",
-             "tests/test_rewrite.py": "from pkg.models.reference_rewrite import rewrite\n\n\n"
-                                      "def test_r():\n    assert rewrite(1)\n"}
+             "tests/test_reference_rewrite.py": "from pkg.models.reference_rewrite import rewrite\n"
+                                                "from pkg.ops.scale import scale\n\n\n"
+                                                "def test_r():\n    assert rewrite(1) and scale\n"}
     _write(tmp_path, files)
     inv = inspect(tmp_path)
     assert inv.references == ["pkg/models/ref_model.py", "pkg/ops/naive.py"]
