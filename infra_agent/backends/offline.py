@@ -98,7 +98,8 @@ class OfflineBackend:
         (a playbook's pattern can match, and its evidence come from, files its transform then leaves alone);
         everything the playbook found where none of it is about the changed files."""
         changed = set(files_in_diff(diff))
-        code = [m for m in app.code_matches if m.file in changed] or app.code_matches
+        code = _nearest(app.code_matches, diff) or [m for m in app.code_matches if m.file in changed] \
+            or app.code_matches
         covers = self._covers() or {}
 
         def about(probe: str) -> bool:
@@ -118,3 +119,24 @@ class OfflineBackend:
             return self.ws.diff(scratch) if changed else ""
         finally:
             self.ws.discard(scratch)
+
+
+def _nearest(matches: list, diff: str) -> list:
+    """The code matches the diff's changes lie in: for each run of changed lines, the nearest match at or above
+    its first line (a launch written one argument a line matches at its first line, ten lines above the swap),
+    in the tree before the change; none where the diff does not parse."""
+    from infra_agent.patch import Patch, PatchError
+
+    try:
+        files = Patch.parse(diff).files
+    except PatchError:
+        return []
+    out = []
+    for f in files:
+        mine = sorted((m for m in matches if m.file == f.path), key=lambda m: m.line)
+        for removed, added in f.blocks:
+            first = removed[0][0] if removed else added[0][0] if added else None
+            above = [m for m in mine if first is not None and m.line <= first]
+            if above and above[-1] not in out:
+                out.append(above[-1])
+    return out

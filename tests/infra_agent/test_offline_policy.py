@@ -267,6 +267,9 @@ def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
     assert (attempt["playbook"], attempt["verdict"], attempt["decision"]) == ("restore-argument-order", "better",
                                                                               "held")
     assert "static.argument_order" in attempt["reason"] and "tests.axpy" in attempt["reason"]
+    # the code cited is the call the fix changes, not the first line of the file the pattern matched
+    code = attempt["hypothesis"].split("Code: ", 1)[1]
+    assert code.startswith("mykern/axpy.py:") and "_axpy_kernel[" in code and "full_like" not in code, code
     assert any("ast.kernel-launch" in r and "mykern/axpy.py" in r for r in attempt["risk"]), attempt["risk"]
     fixed = repo.git.show(f"{attempt['branch']}:mykern/axpy.py")
     assert "](x, y, out, n, alpha, BLOCK=128)" in fixed
