@@ -173,9 +173,10 @@ class RiskFinding(BaseModel):
 
 
 def by_line(findings: list[RiskFinding] | list[dict]) -> list[str]:
-    """Findings one line of code each, in file and line order: ``file:line categories (rules): text``.  A
-    changed line inside a kernel that calls ``tl.dot`` with a precision matches five rules; a reviewer (or
-    the model) reads the line once."""
+    """Findings one line of code each, in file and line order: ``file:line categories (rules): text``, and a run
+    of consecutive lines alike as ``file:first-last ...: its first line (and N more line(s))``.  A changed line
+    inside a kernel that calls ``tl.dot`` with a precision matches five rules; a reviewer (or the model) reads
+    the line once."""
     lines: dict[tuple[str, int, bool], tuple[list[str], list[str], str]] = {}
     for f in findings:
         f = f.model_dump() if isinstance(f, RiskFinding) else f
@@ -183,9 +184,19 @@ def by_line(findings: list[RiskFinding] | list[dict]) -> list[str]:
         cats, rules, _ = lines.setdefault(key, ([], [], f["text"].strip()[:100]))
         cats += [f["category"]] if f["category"] not in cats else []
         rules += [f["rule"]] if f["rule"] not in rules else []
-    # a removed line is numbered as the file was before the patch, and says so
-    return [f"{file}:{no}{' (removed)' if gone else ''} {'/'.join(cats)} ({', '.join(rules)}): {text}"
-            for (file, no, gone), (cats, rules, text) in sorted(lines.items())]
+    # a run of consecutive lines with the same categories and rules reads as one range (a rewritten kernel body is
+    # one entry, not a hundred); a removed line is numbered as the file was before the patch, and says so
+    runs: list[list] = []  # [file, first, last, removed, cats, rules, text]
+    for (file, no, gone), (cats, rules, text) in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        last = runs[-1] if runs else None
+        if last and (last[0], last[3], last[4], last[5]) == (file, gone, cats, rules) and no == last[2] + 1:
+            last[2] = no
+        else:
+            runs.append([file, no, no, gone, cats, rules, text])
+    runs.sort(key=lambda r: (r[0], r[1], r[3]))
+    return [f"{file}:{a}{f'-{b}' if b > a else ''}{' (removed)' if gone else ''} {'/'.join(cats)} "
+            f"({', '.join(rules)}): {text}{f' (and {b - a} more line(s))' if b > a else ''}"
+            for file, a, b, gone, cats, rules, text in runs]
 
 
 class Assessment(BaseModel):

@@ -100,6 +100,16 @@ def test_a_held_item_s_findings_read_one_line_of_code_each():
                                f("production", "ast.default-changed", 2), f("numerics", "r", 1, file="a.py")])
     assert lines == ["a.py:1 numerics (r): code 1", "k.py:2 production (ast.default-changed): code 2",
                      "k.py:9 numerics/concurrency (ast.kernel-body, ast.call:tl.dot, ast.kernel-writes): code 9"]
+    # a rewritten kernel body: consecutive lines alike are one range (torchao's 158-line gate output), a line of
+    # other rules between them ends it, and the removed side keeps its own range
+    body = [f("numerics", "ast.kernel-body", n) for n in (20, 21, 22, 24, 25)] + \
+        [f("numerics", "ast.kernel-body", 23) | {"rule": "ast.kernel-writes", "category": "concurrency"}] + \
+        [f("numerics", "ast.kernel-body", n) | {"removed": True} for n in (20, 21)]
+    assert by_line(body) == [
+        "k.py:20-22 numerics (ast.kernel-body): code 20 (and 2 more line(s))",
+        "k.py:20-21 (removed) numerics (ast.kernel-body): code 20 (and 1 more line(s))",
+        "k.py:23 concurrency (ast.kernel-writes): code 23",
+        "k.py:24-25 numerics (ast.kernel-body): code 24 (and 1 more line(s))"]
 
 
 RACE = textwrap.dedent("""
