@@ -420,12 +420,28 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         stem = pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test")
         return any(pathlib.PurePosixPath(k).stem == stem for k in inv.kernel_tests[t])
 
-    for t in sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
+    ranked = sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
                                                      len(inv.kernel_tests[t]), bool(inv.test_needs.get(t)),
                                                      not named_after(t),
-                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t)):
+                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t))
+    # first, breadth: the test that covers the most kernel files no chosen test covers yet (those it imports
+    # itself, else those it reaches), a test whose kernels are covered waits (torchao: five tests of
+    # mx_formats/kernels.py had left fifteen kernel files without one); then, while slots are left, one per set of
+    # kernel files not chosen yet
+    covered: set[str] = set()
+    rank = {t: i for i, t in enumerate(ranked)}
+    while len(chosen) < max_tests:
+        # a kernel's own test first, then the one that covers the most kernels still uncovered, then the ranking
+        best = max((t for t in ranked if t not in chosen), default=None,
+                   key=lambda t: (t in direct, len(set(direct.get(t) or inv.kernel_tests[t]) - covered), -rank[t]))
+        if best is None or not set(direct.get(best) or inv.kernel_tests[best]) - covered:
+            break
+        chosen.append(best)
+        seen.add(tuple(inv.kernel_tests[best]))
+        covered |= set(direct.get(best) or inv.kernel_tests[best])
+    for t in ranked:
         key = tuple(inv.kernel_tests[t])
-        if key not in seen and len(chosen) < max_tests:
+        if t not in chosen and key not in seen and len(chosen) < max_tests:
             chosen.append(t)
             seen.add(key)
     for test in sorted(chosen):

@@ -302,3 +302,21 @@ def test_tests_inside_the_package_are_protected_by_name_not_by_protecting_the_pa
     manifest = parse_manifest(starter_manifest(inspect(tmp_path)))
     assert manifest.is_protected("pkg/sub/fp8_test.py") and manifest.is_protected("tests/helpers.py")
     assert not manifest.is_protected("pkg/ops.py")
+
+
+def test_the_pytest_probes_cover_as_many_kernel_files_as_their_number_allows(tmp_path):
+    # torchao: five tests of one kernel file took five of the twelve slots; the kernels' own test of six files
+    # got none.  Now the test that covers the most kernel files still uncovered comes first
+    kernel = KERNEL.replace("scale_kernel", "{name}_kernel")
+    files = {"pkg/__init__.py": "", "pkg/ops/__init__.py": "",
+             **{f"pkg/ops/k{i}.py": kernel.format(name=f"k{i}") for i in range(12)}}
+    for name in ("a", "b", "c"):
+        files[f"tests/test_k0_{name}.py"] = f"from pkg.ops.k0 import scale\n\n\ndef test_{name}():\n    assert scale\n"
+    files["tests/test_kernels.py"] = "".join(f"from pkg.ops.k{i} import scale as s{i}\n" for i in (1, 2, 3)) + \
+        "\n\ndef test_all():\n    assert s1 and s2 and s3\n"
+    _write(tmp_path, files)
+    chosen = [p["pytest"][0] for p in yaml.safe_load(starter_manifest(inspect(tmp_path), max_tests=2))["probes"]
+              if "pytest" in p]
+    assert chosen == ["tests/test_k0_a.py", "tests/test_kernels.py"], chosen
+    every = [p["pytest"][0] for p in yaml.safe_load(starter_manifest(inspect(tmp_path)))["probes"] if "pytest" in p]
+    assert len(every) == 2  # a test that covers nothing new and no other set of kernel files: left as a comment
