@@ -274,9 +274,10 @@ def _unconditional_needs(root: pathlib.Path, import_root: str, path: pathlib.Pat
 
 def _used_references(inv: Inventory) -> list[str]:
     """The files named like a reference (``naive.py``, ``ref_attention.py``) that the kernels or their tests use as
-    one: beside a kernel file, or imported by a test of a kernel by their module's name.  A production module that
-    happens to be called ``naive_memory_cache`` (lightllm) or ``reference_representation_rewrite`` (torchao, whose
-    own tests import it) is no reference, and protecting it would refuse every patch to it."""
+    one: beside a kernel file, or imported by their module's name by a test that imports a kernel itself; never
+    one with a test file of its own (``test_<its name>.py``: code under test).  A production module that happens
+    to be called ``naive_memory_cache`` (lightllm) or ``reference_representation_rewrite`` (torchao) is no
+    reference, and protecting it would refuse every patch to it."""
     kernel_dirs = {str(pathlib.PurePosixPath(f).parent) for f in inv.kernel_files}
     tested = {pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test") for t in inv.test_files}
     # a file with tests of its own (test_<its name>.py) is code under test, wherever it lies
@@ -405,45 +406,7 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         probes.append({"id": "static.tf32_switch", "kind": "static", "check": "tf32_switch",
                        "description": "no new statement puts the process's fp32 matmuls on tf32",
                        "covers": {"files": pkg_globs}, "budget_s": 60, **_today(inv, "tf32_switch", inv.packages)})
-    # a kernel's own tests first (those that import a kernel module themselves, the most focused first: fewest
-    # kernel files each), then tests that reach kernels through other modules; one per set of kernel files.
-    # Between equals: one that this machine can import (not a test of an optional backend whose package is
-    # absent), then one named after its kernel's file (test_rms_norm.py for rms_norm.py), then one of the folder
-    # that holds the most kernel tests (the main suite, not a backend's parity test against the kernel)
-    chosen, seen = [], set()
-    direct = inv.direct_tests
-    per_folder: dict[str, int] = {}
-    for t in inv.kernel_tests:
-        per_folder[str(pathlib.PurePosixPath(t).parent)] = per_folder.get(str(pathlib.PurePosixPath(t).parent), 0) + 1
-
-    def named_after(t: str) -> bool:
-        stem = pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test")
-        return any(pathlib.PurePosixPath(k).stem == stem for k in inv.kernel_tests[t])
-
-    ranked = sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
-                                                     len(inv.kernel_tests[t]), bool(inv.test_needs.get(t)),
-                                                     not named_after(t),
-                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t))
-    # first, breadth: the test that covers the most kernel files no chosen test covers yet (those it imports
-    # itself, else those it reaches), a test whose kernels are covered waits (torchao: five tests of
-    # mx_formats/kernels.py had left fifteen kernel files without one); then, while slots are left, one per set of
-    # kernel files not chosen yet
-    covered: set[str] = set()
-    rank = {t: i for i, t in enumerate(ranked)}
-    while len(chosen) < max_tests:
-        # a kernel's own test first, then the one that covers the most kernels still uncovered, then the ranking
-        best = max((t for t in ranked if t not in chosen), default=None,
-                   key=lambda t: (t in direct, len(set(direct.get(t) or inv.kernel_tests[t]) - covered), -rank[t]))
-        if best is None or not set(direct.get(best) or inv.kernel_tests[best]) - covered:
-            break
-        chosen.append(best)
-        seen.add(tuple(inv.kernel_tests[best]))
-        covered |= set(direct.get(best) or inv.kernel_tests[best])
-    for t in ranked:
-        key = tuple(inv.kernel_tests[t])
-        if t not in chosen and key not in seen and len(chosen) < max_tests:
-            chosen.append(t)
-            seen.add(key)
+    chosen = _choose_tests(inv, max_tests)
     for test in sorted(chosen):
         stem = pathlib.PurePosixPath(test).stem.removeprefix("test_").removesuffix("_test")
         kernels = inv.kernel_tests[test]
@@ -477,6 +440,53 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         notes.append("# benchmark scripts (a `command` probe runs one that prints a JSON object of metrics last):")
         notes += [f"#   {b}" for b in inv.bench_files[:20]]
     return "\n".join(notes) + "\n" + text
+
+
+def _choose_tests(inv: Inventory, max_tests: int) -> list[str]:
+    """The test files the starter writes as pytest probes, at most ``max_tests``.
+
+    Ranked: a kernel's own tests first (those that import a kernel module themselves, the most focused first:
+    fewest kernel files each), then tests that reach kernels through other modules; between equals, one that
+    this machine can import (not a test of an optional backend whose package is absent), then one named after
+    its kernel's file (test_rms_norm.py for rms_norm.py), then one of the folder that holds the most kernel tests
+    (the main suite, not a backend's parity test against the kernel).  Chosen for breadth: each next one is the
+    test that covers the most kernel files no chosen test covers yet (those it imports itself, else those it
+    reaches; torchao's five tests of mx_formats/kernels.py had left fifteen kernel files without one); then,
+    while slots are left, one per set of kernel files not chosen yet."""
+    direct = inv.direct_tests
+    per_folder: dict[str, int] = {}
+    for t in inv.kernel_tests:
+        folder = str(pathlib.PurePosixPath(t).parent)
+        per_folder[folder] = per_folder.get(folder, 0) + 1
+
+    def named_after(t: str) -> bool:
+        stem = pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test")
+        return any(pathlib.PurePosixPath(k).stem == stem for k in inv.kernel_tests[t])
+
+    def own(t: str) -> set[str]:
+        return set(direct.get(t) or inv.kernel_tests[t])
+
+    ranked = sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
+                                                     len(inv.kernel_tests[t]), bool(inv.test_needs.get(t)),
+                                                     not named_after(t),
+                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t))
+    rank = {t: i for i, t in enumerate(ranked)}
+    chosen: list[str] = []
+    covered: set[str] = set()
+    while len(chosen) < max_tests:
+        best = max((t for t in ranked if t not in chosen), default=None,
+                   key=lambda t: (t in direct, len(own(t) - covered), -rank[t]))
+        if best is None or not own(best) - covered:
+            break
+        chosen.append(best)
+        covered |= own(best)
+    seen = {tuple(inv.kernel_tests[t]) for t in chosen}
+    for t in ranked:
+        key = tuple(inv.kernel_tests[t])
+        if t not in chosen and key not in seen and len(chosen) < max_tests:
+            chosen.append(t)
+            seen.add(key)
+    return chosen
 
 
 def _test_globs(inv: Inventory) -> list[str]:
