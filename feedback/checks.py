@@ -201,8 +201,8 @@ def _narrow_expr(node: ast.AST, narrow: set[str], aliases: dict[str, str]) -> bo
 def _not_fp32_dot(node: ast.Call, narrow: set[str], aliases: dict[str, str]) -> bool:
     """A ``tl.dot`` that provably is no fp32 product: an operand cast to a narrower type, or an integer or
     16-bit accumulator (``out_dtype=tl.int32``: an int8 product)."""
-    out = next((k.value for k in node.keywords if k.arg == "out_dtype"), None)
-    if out is not None and resolved_name(out, aliases).startswith("tl.") and resolved_name(out, aliases) not in _FP32:
+    out = next((resolved_name(k.value, aliases) for k in node.keywords if k.arg == "out_dtype"), None)
+    if out is not None and out.startswith("tl.") and out not in _FP32:
         return True
     return any(_narrow_expr(a, narrow, aliases) for a in node.args[:2])
 

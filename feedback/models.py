@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 import math
-import os
-import platform
 import re
 from typing import Any, Literal
 
@@ -126,23 +124,11 @@ def fingerprint() -> Fingerprint:
     Versions come from package metadata; the device is read only if the probe imported torch,
     so a static probe stays cheap.
     """
-    import importlib.metadata as md
     import sys
 
-    fp = Fingerprint(python=platform.python_version(), platform=f"{platform.system()}-{platform.machine()}")
-    for name in ("torch", "triton"):
-        try:
-            setattr(fp, name, md.version(name))
-        except md.PackageNotFoundError:
-            pass
-    fp.mode = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "native"
-    torch = sys.modules.get("torch")
-    if torch is not None and fp.mode == "native":
-        try:
-            if torch.cuda.is_available():
-                fp.device = torch.cuda.get_device_name(0)
-        except Exception:  # noqa: BLE001
-            pass
+    from feedback.pytest_plugin.infra_agent_imports import environment  # (a pytest probe's plugin says the same)
+
+    fp = Fingerprint(**environment())
     emulation = sys.modules.get("feedback.emulation")
     if emulation is not None:
         fp.emulation = emulation.active()

@@ -61,9 +61,8 @@ def lacks(text: str, roots: Iterable[pathlib.Path]) -> str | None:
     """What the failure's ``text`` says this machine lacks ("CUDA (Torch not compiled with CUDA enabled)",
     "the package 'tqdm'"), or None when the failure is the code's."""
     roots = list(roots)
-    lines = text.strip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        line = re.sub(r"^E\s+", "", lines[i].strip())
+    for line in reversed(text.strip().splitlines()):
+        line = re.sub(r"^E\s+", "", line.strip())
         if line.startswith("AssertionError") and _ASKS_GPU.search(text):
             return "a CUDA GPU (the test asserts that torch.cuda.is_available())"
         if m := _NO_MODULE.search(line):

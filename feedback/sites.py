@@ -39,19 +39,29 @@ def tolerated_key(file: str, symbol: str | None, message: str) -> str:
     return f"{file}: {symbol or '-'}: {_NUMBERS.sub('', message).strip()}"
 
 
+class Tolerated:
+    """The sites a manifest tolerates (``params.tolerated`` entries), counted: each entry tolerates one site, so a
+    second identical site is new."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.left = Counter(keys)
+
+    def take(self, site) -> bool:
+        """Whether ``site`` (a ``feedback.checks.Site``) is tolerated; an entry that tolerates it is used up."""
+        key = tolerated_key(site.file, site.symbol, site.message)
+        if self.left[key] > 0:
+            self.left[key] -= 1
+            return True
+        return False
+
+
 def split_tolerated(sites: list, tolerated: list[str]) -> tuple[list, list, int]:
-    """(the sites the manifest does not tolerate, the tolerated ones, how many tolerated entries matched no site):
-    identical sites are counted, so a second copy of a tolerated line is new."""
-    left = Counter(tolerated)
+    """(the sites the manifest does not tolerate, the tolerated ones, how many tolerated entries matched no site)."""
+    left = Tolerated(tolerated)
     new, kept = [], []
     for site in sites:
-        key = tolerated_key(site.file, site.symbol, site.message)
-        if left[key] > 0:
-            left[key] -= 1
-            kept.append(site)
-        else:
-            new.append(site)
-    return new, kept, sum(left.values())
+        (kept if left.take(site) else new).append(site)
+    return new, kept, sum(left.left.values())
 
 
 def _reader(tree: pathlib.Path) -> Callable[[str, int], str | None]:

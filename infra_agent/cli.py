@@ -414,7 +414,7 @@ def gate_cmd(
         from infra_agent.gate import by_line
 
         held = result.decision == "held"
-        rest = sorted({f.category for f in result.findings})
+        rest = [c for c in result.categories if c != "error"]
         also = (f" (the rest alone would be held: {', '.join(rest)})" if result.refused and rest else
                 " (and the rest could not be classified)" if result.refused and result.error else "")
         console.print(f"[{style}]{result.decision}[/]" + (f": {', '.join(result.categories)}" if held else also))

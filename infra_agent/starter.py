@@ -223,13 +223,14 @@ def inspect(root: str | pathlib.Path) -> Inventory:
             continue
         hit: set[str] = set()
         direct: set[str] = set()
-        for m in _imports(tree):
+        imported = _imports(tree)
+        for m in imported:
             hit |= reach.files(m)
             direct |= reach.files(m, hops=0)
         if hit:
             inv.kernel_tests[test] = sorted(hit)
             roots = [root / inv.import_root, root]
-            inv.test_needs[test] = sorted({top for m in _imports(tree) if (top := m.split(".")[0])
+            inv.test_needs[test] = sorted({top for m in imported if (top := m.split(".")[0])
                                            and not importable(top, roots)})
         if direct:
             inv.direct_tests[test] = sorted(direct)

@@ -11,6 +11,7 @@ import pathlib
 from typing import Any
 
 from feedback.checks import parse
+from feedback.sites import Tolerated
 from playbooks.model import CodeMatch
 
 
@@ -18,28 +19,10 @@ def _files(matches: list[CodeMatch]) -> list[str]:
     return sorted({m.file for m in matches})
 
 
-class _Tolerated:
-    """The sites the manifest's static checks tolerate (knob ``tolerated``, ``file: symbol: message`` each, as
-    ``init`` lists what the tree had): a transform leaves them as they are.  Counted: a second identical site
-    is not tolerated by one entry."""
-
-    def __init__(self, keys: list[str]) -> None:
-        from collections import Counter
-
-        self.left = Counter(keys)
-
-    def take(self, site) -> bool:
-        from feedback.sites import tolerated_key
-
-        key = tolerated_key(site.file, site.symbol, site.message)
-        if self.left[key] > 0:
-            self.left[key] -= 1
-            return True
-        return False
-
-
-def _tolerated(knobs: dict[str, Any]) -> _Tolerated:
-    return _Tolerated(list(knobs.get("tolerated") or []))
+def _tolerated(knobs: dict[str, Any]) -> Tolerated:
+    """The sites the manifest's static checks tolerate (knob ``tolerated``, as ``init`` lists what the tree had):
+    a transform leaves them as they are."""
+    return Tolerated(list(knobs.get("tolerated") or []))
 
 
 PRECISION_CONSTANT = "FP32_DOT_PRECISION"

@@ -23,8 +23,9 @@ def pytest_addoption(parser):
 
 
 def environment() -> dict:
-    """Where the tests ran, as ``feedback.models.fingerprint`` says it of a Python probe: the interpreter, the
-    versions of torch and Triton, the GPU where the tests imported torch and it has one, interpreter mode."""
+    """Where this process runs (``feedback.models.fingerprint`` of a Python probe is built from it): the
+    interpreter, the versions of torch and Triton, the GPU where the process imported torch and it has one (the
+    device is read only then, so a static probe stays cheap), interpreter mode."""
     import importlib.metadata as md
     import platform
 

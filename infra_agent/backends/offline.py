@@ -28,21 +28,22 @@ class OfflineBackend:
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
         self._tried: set[str] = set()
 
+    def _manifest(self):
+        """The manifest that judges the session, or None for a workspace without a readable one."""
+        try:
+            return self.ws.judges() or self.ws.manifest()
+        except Exception:  # noqa: BLE001 - no readable manifest: evidence stays unbound, nothing tolerated
+            return None
+
     def _tolerated(self) -> list[str]:
         """The sites the manifest's static checks tolerate: a transform leaves them alone."""
-        try:
-            manifest = self.ws.judges() or self.ws.manifest()
-        except Exception:  # noqa: BLE001 - no readable manifest: nothing tolerated
-            return []
-        return [t for p in manifest.probes if p.check for t in p.params.get("tolerated", [])]
+        manifest = self._manifest()
+        return [t for p in manifest.probes if p.check for t in p.params.get("tolerated", [])] if manifest else []
 
     def _covers(self) -> dict[str, list[str]] | None:
         """probe id -> the files its manifest entry covers: evidence is bound to the code it is about."""
-        try:
-            manifest = self.ws.judges() or self.ws.manifest()
-        except Exception:  # noqa: BLE001 - a workspace without a readable manifest: evidence stays unbound
-            return None
-        return {p.id: list(p.covers.files) for p in manifest.probes}
+        manifest = self._manifest()
+        return {p.id: list(p.covers.files) for p in manifest.probes} if manifest else None
 
     def _ranked(self, state: AgentState, tried: set[str]) -> list[tuple[Playbook, Applicability]]:
         """Every untried playbook evaluated: those fixing a failing probe first, then the library's order."""
