@@ -1,9 +1,9 @@
 """The risk gate: a deterministic classifier over the diff itself, never over the model's label.
 
 Categories: **numerics** (dtype casts, precision arguments and tf32 switches, eps and tolerance
-constants, scales and quantisation, accumulation or reduction order), **concurrency** (threads,
-locks, GIL release or acquire in Python, C or C++, async code, CUDA streams and events,
-synchronisation, shared buffers) and **production** (serving defaults, scheduler limits,
+constants, masking sentinels and non-finite values, scales and quantisation, accumulation or reduction
+order), **concurrency** (threads, locks, GIL release or acquire in Python, C or C++, async code, CUDA
+streams and events, synchronisation, shared buffers) and **production** (serving defaults, scheduler limits,
 timeouts, memory limits, environment switches, deployment files).  Built-in rules over the changed
 lines' code (comments, docstrings and layout-only edits are not read: ``source_lines.py``), the
 target manifest's ``risk`` rules, and checks of where a line lies, whatever its words: inside a GPU
@@ -57,6 +57,9 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("num.scale-quant", "numerics", r"\bscale[sd]?\b|quant|\bint8\b|\bfp8\b|e4m3|e5m2|amax|absmax", CODE),
     Rule("num.clamp-range", "numerics",
          r"\bclamp(_min|_max|_)?\(|\bclip\(|tl\.(minimum|maximum|clamp)\(|\bnan_to_num\(|\bfmin\(|\bfmax\(", CODE),
+    Rule("num.special-values", "numerics",  # masking sentinels and non-finite handling: -inf, NaN, finfo().min, -1e30
+         r"\b(inf|nan|NaN|Inf|INFINITY|NAN)\b|\b(finfo|iinfo)\(|\bmasked_fill_?\(|\bis(nan|inf|finite|neginf|posinf)\(|"
+         r"-\s*\d+(\.\d*)?[eE]\+?\d+\b|\b(HUGE_VALF?|FLT_MAX|DBL_MAX|__int_as_float)\b", CODE),
     Rule("num.approximate", "numerics",
          r"\brsqrt\b|\bexp2\b|\blog2\b|\bfast_\w+|\bapprox\b|libdevice|fast_math|-ffast-math", CODE),
     Rule("num.reduction-order", "numerics",

@@ -64,6 +64,12 @@ TRUE_POSITIVES = [
     ("concurrency", "pod.yaml", "mountPath: /data", "mountPath: /dev/shm"),
     ("numerics", "store.py", "chunks = split(kv_tensors, n)", "chunks = split(kv_tensors[:, :, 1:], n)"),
     ("production", "requirements.txt", "httpx==0.27.0", "httpx==0.28.1"),
+    # masking sentinels and non-finite values, on the host as much as in a kernel
+    ("numerics", "attn.py", "mask = torch.full((n, n), float('-inf'))", "mask = torch.full((n, n), -1e4)"),
+    ("numerics", "attn.py", "bias = torch.zeros(n)", "bias = torch.full((n,), -1e30)"),
+    ("numerics", "attn.py", "s = s.masked_fill(~m, 0)", "s = s.masked_fill(~m, torch.finfo(s.dtype).min)"),
+    ("numerics", "sample.py", "p = probs", "p = torch.where(torch.isnan(probs), 0, probs)"),
+    ("numerics", "k.cuh", "float m = -1e30f;", "float m = -INFINITY;"),
 ]
 FALSE_POSITIVES = [
     ("k.py", "# the sum of parts", "# the total of parts"),
