@@ -27,7 +27,8 @@ import git
 from pydantic import BaseModel, Field
 
 from feedback.harness import judge
-from feedback.manifest import load_manifest
+from feedback.manifest import Manifest, load_manifest
+from feedback.models import Status
 from feedback.submodules import fill_submodules
 from infra_agent.experiments import RecordError, settle_record
 from infra_agent.workspace import ACTOR, commit_message
@@ -305,20 +306,57 @@ def apply_approved(queue: ReviewQueue, item: Item, jobs: int = 2) -> Item:
                                  "GIT_COMMITTER_NAME": ACTOR.name, "GIT_COMMITTER_EMAIL": ACTOR.email})
             except git.GitCommandError as exc:
                 return back_to_pending(f"merge failed, nothing changed: {str(exc).splitlines()[-1]}")
-            manifest = load_manifest(wt, _session_manifest(queue, item))
+            external = _session_manifest(queue, item)
+            manifest = load_manifest(wt, external)
             known = {p.id for p in manifest.probes}
             probes = [p for p in item.validation if p in known]
+            still = ""
             if probes:
                 report = judge(wt, manifest=manifest, probe_ids=probes, run_all=True, jobs=jobs)
                 if not report.passed:
-                    bad = ", ".join(r.probe for r in report.results if not r.ok)
-                    return back_to_pending(f"validation failed on the merged tree ({bad}); merge undone")
+                    failing = sorted(r.probe for r in report.results if not r.ok)
+                    lost = [p for p in failing if p in fixed_by(item)]
+                    if lost:
+                        return back_to_pending(f"validation failed on the merged tree: it fails what the candidate "
+                                               f"fixed ({', '.join(lost)}); merge undone")
+                    # the rest failed before the merge too, perhaps: judged beside the branch as it is, only a
+                    # failure the branch does not have (or one more failing test) stops the approval
+                    broke = _worse_than_branch(repo, old, wt, manifest, external, failing, jobs, tmp)
+                    if broke:
+                        return back_to_pending(f"validation failed on the merged tree ({broke}); merge undone")
+                    still = f"; failing as on the branch before the merge: {', '.join(failing)}"
             merged = w.head.commit.hexsha
             repo.git.update_ref(f"refs/heads/{item.session_branch}", merged, old)
             return queue.update(item.id, state="applied", applied_commit=merged, claimed_pid=None, claimed_host=None,
-                                note=f"merged and validated ({len(probes)} probes)")
+                                note=f"merged and validated ({len(probes)} probes{still})")
         finally:
             repo.git.worktree("remove", "--force", str(wt))
+
+
+def fixed_by(item: Item) -> set[str]:
+    """The probes the candidate made pass: failing on its baseline, passing on it (its evidence)."""
+    ok = (Status.passed.value, Status.skipped.value)
+    return {e["probe"] for e in item.evidence
+            if e.get("status_before") not in (None, *ok) and e.get("status_after") in ok}
+
+
+def _worse_than_branch(repo: git.Repo, old: str, merged: pathlib.Path, manifest: Manifest, external: str | None,
+                       probes: list[str], jobs: int, tmp: str) -> str:
+    """The merged tree judged beside the session branch's tip on ``probes`` (which fail on the merged tree):
+    what fails there that did not fail before, or "" when every failure was the branch's already (a check
+    that failed on the repository before the session, or one another pending item is there to fix)."""
+    base = pathlib.Path(tmp) / "branch"
+    repo.git.worktree("add", "--detach", str(base), old)
+    fill_submodules(pathlib.Path(repo.working_tree_dir), old, base)
+    try:
+        report = judge(merged, manifest=manifest, probe_ids=probes, run_all=True, baseline_tree=base,
+                       baseline_manifest=load_manifest(base, external), jobs=jobs)
+    finally:
+        repo.git.worktree("remove", "--force", str(base))
+    v = report.verdict
+    if v is None or v.name not in ("incorrect", "worse"):
+        return ""
+    return "; ".join([*v.broke, *v.regressed]) or v.reason
 
 
 def settle(queue: ReviewQueue, item_id: int, decision: str, reviewer: str | None = None, *,

@@ -20,7 +20,7 @@ from infra_agent.backends.openai_backend import OpenAIBackend
 from infra_agent.review import AlreadySettled, ReviewQueue, apply_approved
 from infra_agent.workspace import GitWorkspace
 from tests.support.chat import ScriptedServer, ok, tool_call
-from tests.support.toy_agent import FIX, env_without_keys, make_toy, proposed_session
+from tests.support.toy_agent import ACTOR, FIX, env_without_keys, make_toy, proposed_session
 
 # an epsilon floor: numerics by the gate's rules (its code, not a comment's words)
 RISKY_FIX = FIX.replace("+    return 1.0", "+    return max(1.0, 1e-12)")
@@ -224,6 +224,68 @@ def test_a_failing_validation_undoes_the_merge(tmp_path, monkeypatch):
     assert item.state == "pending" and "validation failed" in item.note and "merge undone" in item.note
     assert item.settled_by is None and "approval by dave" in item.note
     assert repo.heads[ws.branch].commit.hexsha == before
+
+
+OTHER_PROBE = """
+
+@probe
+def other(ctx):
+    import pathlib
+    ctx.metric("other_error", float(pathlib.Path(ctx.tree, "toy", "other.txt").read_text()), better="lower")
+
+@probe
+def third(ctx):
+    import pathlib
+    ctx.metric("third_error", float(pathlib.Path(ctx.tree, "toy", "third.txt").read_text()), better="lower")
+"""
+
+
+def test_a_check_failing_on_the_branch_already_does_not_block_an_approval_and_a_new_failure_does(tmp_path,
+                                                                                                 monkeypatch):
+    # FlagGems: a fp32 dot check failed on the repository before the session; its argument-order fix was held,
+    # and approving it re-ran that check on the merged tree, which failed as before: no item could ever apply
+    root = make_toy(tmp_path / "toy_target")
+    repo = git.Repo(root)
+    (root / "toy" / "probes.py").write_text((root / "toy" / "probes.py").read_text() + OTHER_PROBE)
+    (root / "toy" / "other.txt").write_text("0.5\n")
+    (root / "toy" / "third.txt").write_text("0.0\n")
+    manifest = (root / "infra-agent.yaml").read_text().replace("risk:", """  - id: toy.other
+    kind: correctness
+    entry: "toy.probes:other"
+    covers: {files: ["toy/*.py"]}
+    thresholds: {other_error: {max: 0.01}}
+  - id: toy.third
+    kind: correctness
+    entry: "toy.probes:third"
+    covers: {files: ["toy/*.py"]}
+    thresholds: {third_error: {max: 0.01}}
+risk:""")
+    (root / "infra-agent.yaml").write_text(manifest)
+    repo.git.add(A=True)
+    repo.index.commit("a second check, failing today", author=ACTOR, committer=ACTOR)
+    ws, agent = proposed_session(root, "sess", "compute is off by 0.5", RISKY_FIX, monkeypatch)
+    (attempt,) = agent.attempts
+    assert (attempt.verdict, attempt.decision) == ("better", "held"), attempt
+    q = ReviewQueue(StateDir.for_target(root).review_db)
+    assert set(q.get(1).validation) == {"toy.value", "toy.other", "toy.third"}
+    before = repo.heads[ws.branch].commit.hexsha
+
+    # the candidate branch also breaks the third check: a failure the branch does not have
+    wt = tmp_path / "wt"
+    repo.git.worktree("add", str(wt), q.get(1).candidate_branch)
+    (wt / "toy" / "third.txt").write_text("0.5\n")
+    git.Repo(wt).git.commit("-qam", "worse", author="t <t@t>")
+    item = apply_approved(q, q.settle(1, "approved", "dave"))
+    assert item.state == "pending" and "validation failed on the merged tree (toy.third fail" in item.note, item.note
+    assert repo.heads[ws.branch].commit.hexsha == before
+
+    # as held: the other check fails on the merged tree exactly as on the branch; the item applies and says so
+    git.Repo(wt).git.reset("--hard", "HEAD~1")
+    repo.git.worktree("remove", "--force", str(wt))
+    item = apply_approved(q, q.settle(1, "approved", "dave"))
+    assert item.state == "applied", item.note
+    assert item.note == "merged and validated (3 probes; failing as on the branch before the merge: toy.other)"
+    assert repo.git.show(f"{ws.branch}:toy/core.py").splitlines()[1] == "    return max(1.0, 1e-12)"
 
 
 HANGING = """import pathlib, time
