@@ -14,7 +14,7 @@ computed once and then served from the cache).  Each defect is then
   the mutant, or an acceptance criterion that held on the baseline fails on it;
 * LOCALISED when it is caught and a catching probe names the mutated file: a finding's
   ``location.file`` equal to or containing the path, or an error's ``(at FILE:LINE ...)``.  The
-  generic "cover ..." list of an error's localisation line does not count.
+  generic "covers ..." list of an error's localisation line does not count.
 
 A performance defect (a corpus of them: ``bench/perf_defects.yaml``) leaves every result right; it is
 CAUGHT when a counted metric (``Metric.counted``: work counted under the interpreter, exact) regressed

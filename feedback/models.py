@@ -65,13 +65,13 @@ class Location(_Model):
     part: str | None = None
 
     def render(self) -> str:
-        """``cover file:line symbol; param ...; input ...``: a condition that is a source line (``line 16``, or
+        """``at file:line symbol; param ...; input ...``: a condition that is a source line (``line 16``, or
         ``line 12, in test t`` from a test's traceback) goes with the file, as an editor opens it."""
         parts = []
         line = re.fullmatch(r"line (\d+)(?:, (.*))?", self.condition or "", re.S) if self.file else None
         if self.file:
             what = self.kernel or self.symbol
-            parts.append(f"cover {self.file}" + (f":{line[1]}" if line else "") + (f" {what}" if what else ""))
+            parts.append(f"at {self.file}" + (f":{line[1]}" if line else "") + (f" {what}" if what else ""))
         elif self.kernel or self.symbol:
             parts.append(f"in {self.kernel or self.symbol}")
         if self.param:

@@ -64,12 +64,12 @@ def localise(spec: ProbeSpec, result: ProbeResult) -> list[str]:
         return []
     cover = ", ".join(spec.covers.files[:3])
     if result.status in (Status.error, Status.timeout):
-        return [f"probe `{spec.id}` {result.status.value}: {result.reason}; cover {cover}"]
+        return [f"probe `{spec.id}` {result.status.value}: {result.reason}; covers {cover}"]
     lines = []
     for f in failures(result.findings):  # what failed, not what the probe observed on the way
-        where = f.location.render() or (f"cover {cover}" if cover else "")
+        where = f.location.render() or (f"covers {cover}" if cover else "")
         lines.append(f"probe `{spec.id}` failed: {f.message}" + (f"; {where}" if where else ""))
-    return lines or [f"probe `{spec.id}` failed; cover {cover}"]
+    return lines or [f"probe `{spec.id}` failed; covers {cover}"]
 
 
 def content_hashes(tree: pathlib.Path, manifest: Manifest, specs: list[ProbeSpec]) -> dict[str, str]:

@@ -60,6 +60,8 @@ class FindingPredicate(BaseModel):
 
     probe: str = Field("*", description="glob over probe ids")
     message: str = Field(description="regex searched in finding messages and failure reasons")
+    failed: bool = Field(False, description="only the findings of a failed check: not a site the manifest "
+                                            "tolerates or the baseline had too, not an observation on the way")
 
     @field_validator("message")
     @classmethod
@@ -73,8 +75,9 @@ class FindingPredicate(BaseModel):
         for r in report.results:
             if not fnmatch.fnmatchcase(r.probe, self.probe):
                 continue
-            texts = [f.message + (f" [{f.location.render()}]" if f.location.render() else "") for f in r.findings]
-            texts += [r.reason] if r.reason else []
+            findings = [f for f in r.findings if f.failed] if self.failed else r.findings
+            texts = [f.message + (f" [{f.location.render()}]" if f.location.render() else "") for f in findings]
+            texts += [r.reason] if r.reason and not self.failed else []
             out += [(r.probe, f"{r.probe}: {t}") for t in texts if pat.search(t)]
         return out
 
@@ -250,7 +253,7 @@ def evaluate(pb: Playbook, report: FeedbackReport, tree: str | pathlib.Path,
             if about and (not sig.all_of or about == set(probes)):
                 hits = [(p, e) for p, e in hits if p in about]
                 probes = [p for p in probes if p in about]
-    matches = _where_pointed(matches, report)
+    matches = _where_pointed(matches, report, probes)
     if pb.applicability.code and not matches:
         return Applicability(playbook=pb.id, applies=False, evidence=[e for _, e in hits],
                              reason="declined: the feedback fits but no code pattern matches in the target")
@@ -288,19 +291,24 @@ def _in(path: str, globs: set[str]) -> bool:
     return any(path_matches(path, g) for g in globs)
 
 
-def _where_pointed(matches: list[CodeMatch], report: FeedbackReport) -> list[CodeMatch]:
-    """The code matches in the files the failing probes' findings point at, when some are; else all.
+def _where_pointed(matches: list[CodeMatch], report: FeedbackReport, probes: list[str]) -> list[CodeMatch]:
+    """The code matches in the files the failing probes' findings point at, those of the evidence's
+    ``probes`` first; else all.
 
     A pattern such as "a dot without a precision" matches all over a large repository; the feedback
-    says which file is at fault, and the change belongs there."""
-    # a finding located by a glob (a count over its threshold, located at the probe's paths) points at no file
-    pointed = {path for r in report.results if r.status.value == "fail"
-               for path in (_finding_files(r, failed_only=True) or _finding_files(r))
-               if not any(c in path for c in "*?[")}
-    if not pointed:
-        return matches
-    near = [m for m in matches if any(path_matches(m.file, pat) for pat in pointed)]
-    return near or matches
+    says which file is at fault, and the change belongs there: the file a new division in a kernel's
+    loop was found in, not the one another check's failure names."""
+    def pointed(results) -> set[str]:
+        # a finding located by a glob (a count over its threshold, located at the probe's paths) points at no file
+        return {path for r in results if r.status.value == "fail"
+                for path in (_finding_files(r, failed_only=True) or _finding_files(r))
+                if not any(c in path for c in "*?[")}
+
+    for files in (pointed(r for r in report.results if r.probe in probes), pointed(report.results)):
+        near = [m for m in matches if any(path_matches(m.file, pat) for pat in files)]
+        if near:
+            return near
+    return matches
 
 
 def _describe(pred: Predicate, report: FeedbackReport | None = None) -> str:

@@ -1,19 +1,13 @@
-import atexit
 import os
 import pathlib
-import shutil
-import tempfile
+
+# The state of users' repositories (sessions, caches, review queues) lives in the state home, never
+# inside them; the tests' own home is a scratch folder, made and later removed by this import.
+import tests.support.scratch_home  # noqa: F401
 
 # Kernels run in Triton's interpreter on machines without a GPU; outputs are poisoned (NaN)
 # before every kernel run so a kernel that skips work cannot pass on stale memory.
 os.environ.setdefault("TARGET_STACK_POISON", "1")
-# The state of users' repositories (sessions, caches, review queues) lives in the state home, never
-# inside them; the tests' own home is a scratch folder, shared by the CLIs they start (and by xdist's
-# workers, which inherit it), removed when the session ends if this process made it.
-_OWN_HOME = None
-if "INFRA_AGENT_HOME" not in os.environ:
-    _OWN_HOME = os.environ["INFRA_AGENT_HOME"] = tempfile.mkdtemp(prefix="infra-agent-home-")
-    atexit.register(shutil.rmtree, _OWN_HOME, ignore_errors=True)
 # Probes are forked by warm servers in that home (feedback/forkserver.py); they retire soon after the last
 # test that uses them, and all of them when the session ends.
 os.environ.setdefault("INFRA_AGENT_FORKSERVER_IDLE_S", "120")

@@ -254,7 +254,7 @@ def test_a_static_check_over_its_threshold_is_localised_at_every_site_it_counted
     assert [f.failed for f in over.findings] == [True, True]  # the site, then the bound
     assert not any(f.failed for f in within.findings) and within.findings  # observed, not failed
     lines = {c.probe: c.localisation for c in report.comparisons}
-    site = f"cover pkg/kernels.py:{_line(KERNELS, 'h = h / 2.0')} merge"
+    site = f"at pkg/kernels.py:{_line(KERNELS, 'h = h / 2.0')} merge"
     assert len(lines["x.div_none"]) == 2 and site in lines["x.div_none"][0], lines
     assert "loop_divisions = 1 violates <= 0" in lines["x.div_none"][1]
     assert lines["x.div_one"] == []

@@ -15,7 +15,7 @@ from feedback.models import Status
 def test_localisation_line_names_probe_message_file_kernel_param_and_input(toy):
     report = judge(toy, probe_ids=["toy.located"], use_cache=False)
     (line,) = report.localisations()
-    assert line == ("probe `toy.located` failed: error grows 41x from P=2 to P=64; cover toy/merge.py merge_kernel; "
+    assert line == ("probe `toy.located` failed: error grows 41x from P=2 to P=64; at toy/merge.py merge_kernel; "
                     "param merge_precision='tf32'; input T=256")
 
 

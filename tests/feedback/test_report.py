@@ -85,10 +85,10 @@ def test_a_failure_is_headlined_and_localised_by_its_failed_check_not_by_what_th
 def test_a_location_on_a_source_line_reads_as_file_colon_line():
     from feedback.models import Location
 
-    assert Location(file="pkg/k.py", symbol="merge", condition="line 7").render() == "cover pkg/k.py:7 merge"
+    assert Location(file="pkg/k.py", symbol="merge", condition="line 7").render() == "at pkg/k.py:7 merge"
     assert (Location(file="tests/t.py", symbol="t_big", condition="line 12, in test t_big").render()
-            == "cover tests/t.py:12 t_big; in test t_big")
+            == "at tests/t.py:12 t_big; in test t_big")
     # any other condition is an input condition; a line without a file stays one too
     assert (Location(file="m.py", kernel="k", param="p=1", condition="T=256").render()
-            == "cover m.py k; param p=1; input T=256")
+            == "at m.py k; param p=1; input T=256")
     assert Location(symbol="f", condition="line 7").render() == "in f; input line 7"

@@ -10,6 +10,7 @@ modules none of those benchmarks runs.  Unbound, the policy rewrote the norms fi
 from __future__ import annotations
 
 import git
+import yaml
 
 from feedback.models import FeedbackReport, Finding, Location, Metric, ProbeResult, Status
 from infra_agent.agent import AgentState
@@ -275,3 +276,94 @@ def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
     assert "](x, y, out, n, alpha, BLOCK=128)" in fixed
     assert repo.git.show("main:mykern/axpy.py") == swapped.rstrip("\n")  # main untouched
     assert repo.git.show(f"{attempt['branch']}:mykern/roofline.py") == ROOFLINE.rstrip("\n")  # tolerated: as it was
+
+
+RMS = '''import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_kernel(x, out, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        v = tl.load(x + row * n_cols + o, mask=o < n_cols, other=0.0)
+        acc += v * v
+    var = tl.sum(acc, axis=0) / n_cols
+    for start in range(0, n_cols, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        v = tl.load(x + row * n_cols + o, mask=o < n_cols, other=0.0)
+        tl.store(out + row * n_cols + o, v * tl.rsqrt(var + eps), mask=o < n_cols)
+
+
+def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    out = torch.full_like(x, float("nan"))
+    _rms_kernel[(x.shape[0],)](x, out, x.shape[1], eps, BLOCK=64)
+    return out
+'''
+RMS_TEST = '''import torch
+from mykern.rms import rms
+
+
+def test_rms():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 200, device=device)
+    want = (x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).float()
+    torch.testing.assert_close(rms(x), want)
+'''
+# another kernel file with a division by a square root in its loop, there when `init` ran: tolerated, left alone
+SCALED = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scaled_kernel(x, s, out, n, BLOCK: tl.constexpr):
+    for start in range(0, n, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        tl.store(out + o, tl.load(x + o, mask=o < n) / tl.sqrt(tl.load(s)), mask=o < n)
+'''
+
+
+def test_a_new_division_in_a_kernels_loop_is_answered_in_its_own_file(tmp_path):
+    """FlagGems: a commit that divided by tl.sqrt inside a kernel's loop failed the starter's loop-division
+    check at the right line, and the offline session found no playbook for it.  Now the reciprocal playbook
+    answers the check's (untolerated) finding, in the file it names: the tolerated division of another
+    kernel file is left as it was."""
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "mine"
+    files = {"mykern/__init__.py": "", "mykern/rms.py": RMS, "tests/test_rms.py": RMS_TEST,
+             "mykern/scaled.py": SCALED}
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    cli = [sys.executable, "-m", "infra_agent"]
+    subprocess.run([*cli, "init", str(root)], check=True, capture_output=True, timeout=120)
+    written = yaml.safe_load((root / "infra-agent.yaml").read_text())
+    (loops,) = [p for p in written["probes"] if p["id"] == "static.kernel_loop_division"]
+    assert [t.split(": ")[:2] for t in loops["params"]["tolerated"]] == [["mykern/scaled.py", "_scaled_kernel"]]
+    repo = git.Repo.init(root, initial_branch="main")
+    repo.git.add(A=True)
+    repo.index.commit("base", author=ACTOR, committer=ACTOR)
+    divided = RMS.replace("v * tl.rsqrt(var + eps)", "v / tl.sqrt(var + eps)")
+    (root / "mykern" / "rms.py").write_text(divided)
+    repo.git.add(A=True)
+    repo.index.commit("a change", author=ACTOR, committer=ACTOR)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENAI_API_KEY"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    run = subprocess.run([*cli, "run", "--target", str(root), "--backend", "offline", "--json"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout)
+    assert "static.kernel_loop_division" in summary["failing_before"], summary["failing_before"]
+    first = summary["attempts"][0]
+    assert (first["playbook"], first["verdict"], first["decision"]) == ("reciprocal-rsqrt", "better", "held"), first
+    assert "static.kernel_loop_division" in first["reason"]
+    fixed = repo.git.show(f"{first['branch']}:mykern/rms.py")
+    assert "v * tl.rsqrt(var + eps)" in fixed and "/ tl.sqrt" not in fixed
+    assert repo.git.show(f"{first['branch']}:mykern/scaled.py") == SCALED.rstrip("\n")  # tolerated: as it was
+    assert repo.git.show("main:mykern/rms.py") == divided.rstrip("\n")  # main untouched

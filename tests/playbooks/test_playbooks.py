@@ -125,6 +125,18 @@ def test_evidence_without_the_code_pattern_declines(tmp_path):
     assert not res.applies and "no code pattern" in res.reason
 
 
+def test_a_loop_division_the_manifest_tolerates_is_no_evidence_and_a_new_one_is(tmp_path):
+    t = tree(tmp_path, {"d.py": V_TILED})
+    site = "division in the kernel's loop: b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-06)"
+    tolerated = ProbeResult(probe="static.kernel_loop_division", status=Status.passed, findings=[
+        Finding(message=site + " (tolerated in the manifest)", location=Location(file="d.py", condition="line 7"))])
+    assert not evaluate(LIB["reciprocal-rsqrt"], report(tolerated), t).applies
+    new = ProbeResult(probe="static.kernel_loop_division", status=Status.failed, findings=[
+        Finding(message=site, location=Location(file="d.py", condition="line 7"), failed=True)])
+    res = evaluate(LIB["reciprocal-rsqrt"], report(new), t)
+    assert res.applies and res.for_a_failure and res.evidence == [f"static.kernel_loop_division: {site} [at d.py:7]"]
+
+
 def test_playbook_schema_refuses_code_only_applicability(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("""
