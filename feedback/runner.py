@@ -517,21 +517,27 @@ class Runner:
         except ValueError as exc:
             return ProbeResult(probe=spec.id, status=Status.error, reason=str(exc)), True
         # the sites the manifest tolerates (what the tree had when `init` wrote it) are reported, not counted
-        counted, unreadable = sites[:count], sites[count:]  # (a file that does not parse is a finding, not a site)
-        counted, tolerated, stale = split_tolerated(counted, spec.params.get("tolerated", []))
+        # a file that does not parse is a finding, not a site: it fails the check unless the manifest tolerates it
+        # (`init` does, for what did not parse then), whatever the count; a change that breaks a file's syntax
+        # leaves the check blind to that file, and had passed every check
+        unparsed = {id(s) for s in sites[count:]}
+        new, tolerated, stale = split_tolerated(sites, spec.params.get("tolerated", []))
+        counted = [s for s in new if id(s) not in unparsed]
+        unreadable = [s for s in new if id(s) in unparsed]
         count = len(counted)
         threshold = spec.thresholds.get(metric)
-        failed = count > 0 and threshold is None  # a threshold, where given, decides instead
+        failed = count > 0 and threshold is None or bool(unreadable)  # a threshold, where given, decides the count
         # the sites are what the count counted: where a threshold on it is violated, they are what failed, each
         # at its line (apply_thresholds adds the bound's own line)
         sites_failed = failed or (threshold is not None and threshold.violated(count))
         findings = [Finding(message=s.message + (TOLERATED if ok else ""),
                             location=Location(file=s.file, symbol=s.symbol, condition=f"line {s.line}"),
-                            failed=sites_failed and not ok)
+                            failed=not ok and (sites_failed or id(s) in unparsed))
                     for s, ok in ([(s, False) for s in counted + unreadable] + [(s, True) for s in tolerated])[:50]]
         if stale:
-            findings.append(Finding(message=f"{stale} site(s) the manifest tolerates are no longer found (fixed, or "
-                                            "changed): params.tolerated can drop them"))
+            findings.append(Finding(message=f"{len(stale)} site(s) the manifest tolerates are no longer found (fixed, "
+                                            "or changed): params.tolerated can drop them: " + "; ".join(stale[:5])
+                                    + (f"; and {len(stale) - 5} more" if len(stale) > 5 else "")))
         return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
                            metrics={metric: Metric(value=count, better="lower")}, findings=findings,
                            duration_s=time.perf_counter() - t0), True

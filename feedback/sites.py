@@ -55,13 +55,13 @@ class Tolerated:
         return False
 
 
-def split_tolerated(sites: list, tolerated: list[str]) -> tuple[list, list, int]:
-    """(the sites the manifest does not tolerate, the tolerated ones, how many tolerated entries matched no site)."""
+def split_tolerated(sites: list, tolerated: list[str]) -> tuple[list, list, list[str]]:
+    """(the sites the manifest does not tolerate, the tolerated ones, the tolerated entries that matched no site)."""
     left = Tolerated(tolerated)
     new, kept = [], []
     for site in sites:
         (kept if left.take(site) else new).append(site)
-    return new, kept, sum(left.left.values())
+    return new, kept, list(left.left.elements())
 
 
 def _reader(tree: pathlib.Path) -> Callable[[str, int], str | None]:

@@ -392,14 +392,15 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         covers = {"files": [f"{d}/*.py" for d in kernel_dirs]}
         probes.append({"id": "static.dot_precision", "kind": "static", "check": "dot_precision",
                        "description": "every tl.dot in the kernels states its input_precision",
-                       "params": {"paths": kernel_dirs}, "covers": covers, "budget_s": 60})
+                       "covers": covers, "budget_s": 60, **_today(inv, "dot_precision", kernel_dirs, sites_too=False)})
         probes.append({"id": "static.kernel_loop_division", "kind": "static", "check": "kernel_loop_division",
                        "description": "no new division inside a kernel's loop", "covers": covers, "budget_s": 60,
                        **_today(inv, "kernel_loop_division", kernel_dirs)})
     if inv.packages:
         probes.append({"id": "static.gil_native", "kind": "static", "check": "gil_native",
                        "description": "no native library loaded so that its calls hold the GIL",
-                       "params": {"paths": inv.packages}, "covers": {"files": pkg_globs}, "budget_s": 60})
+                       "covers": {"files": pkg_globs}, "budget_s": 60,
+                       **_today(inv, "gil_native", inv.packages, sites_too=False)})
         probes.append({"id": "static.argument_order", "kind": "static", "check": "argument_order",
                        "description": "no new call passes its arguments in another order than its callee declares",
                        "covers": {"files": pkg_globs}, "budget_s": 120,
@@ -511,18 +512,24 @@ def _test_globs(inv: Inventory) -> list[str]:
 MAX_TOLERATED = 300
 
 
-def _today(inv: Inventory, check: str, paths: list[str]) -> dict:
+def _today(inv: Inventory, check: str, paths: list[str], sites_too: bool = True) -> dict:
     """A built-in check's ``params`` (and ``thresholds``) that hold the line at what the tree has today: nothing
     new, no rewrite of what the repository already does.  Each site found today is listed in
     ``params.tolerated`` (``file: symbol: message``), so that a new one is told apart from them by name, and a
     playbook's transform never rewrites one (torchao's six backward-GEMM calls that pass M, N, K in another
-    order on purpose).  Past :data:`MAX_TOLERATED` sites, the count bounds it instead."""
+    order on purpose).  Past :data:`MAX_TOLERATED` sites, the count bounds it instead.  A file that does not
+    parse today (under this Python) is tolerated too, and with ``sites_too=False`` (a check whose every site is
+    a defect to report from the first run) only such files."""
     from feedback.checks import CHECKS, run_check
     from feedback.sites import tolerated_key
 
     metric = CHECKS[check][0]
     _, count, sites = run_check(check, inv.root, paths)
+    unparsed = [tolerated_key(s.file, s.symbol, s.message) for s in sites[count:]]
+    if not sites_too:
+        return {"params": {"paths": paths, **({"tolerated": unparsed} if unparsed else {})}}
     if count > MAX_TOLERATED:
-        return {"params": {"paths": paths}, "thresholds": {metric: {"max": count}}}
-    return {"params": {"paths": paths, **({"tolerated": [tolerated_key(s.file, s.symbol, s.message)
-                                                         for s in sites[:count]]} if count else {})}}
+        return {"params": {"paths": paths, **({"tolerated": unparsed} if unparsed else {})},
+                "thresholds": {metric: {"max": count}}}
+    keys = [tolerated_key(s.file, s.symbol, s.message) for s in sites[:count]] + unparsed
+    return {"params": {"paths": paths, **({"tolerated": keys} if keys else {})}}

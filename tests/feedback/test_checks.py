@@ -468,3 +468,33 @@ def test_the_sites_a_manifest_tolerates_are_reported_not_counted_and_a_new_copy_
     with pytest.raises(ManifestError, match="params.tolerated must be a list"):
         (ext / "infra-agent.yaml").write_text(manifest_text.replace(f"tolerated: {keys!r}", "tolerated: 3"))
         load_manifest(ext)
+
+
+def test_a_file_that_no_longer_parses_fails_the_check_and_one_tolerated_by_the_manifest_does_not(ext):
+    # flash-attention: a commit that broke a kernel file's syntax (`output,,` in a launch) passed every static
+    # check, each now blind to that file; the parse error was a finding nobody saw
+    from feedback.sites import tolerated_key
+
+    manifest_text = textwrap.dedent(MANIFEST).replace("params: {paths: [pkg/kernels.py]},", "params: {paths: [pkg]},")
+
+    def judged(text):
+        (ext / "infra-agent.yaml").write_text(text)
+        manifest = load_manifest(ext)
+        return Runner(ext, manifest, use_cache=False).run([manifest.probe("x.div")])[0]
+
+    (ext / "pkg" / "broken.py").unlink()
+    assert judged(manifest_text).metrics["loop_divisions"].value == 1
+    kernels = (ext / "pkg" / "kernels.py").read_text()
+    (ext / "pkg" / "kernels.py").write_text(kernels.replace("h = tl.dot(h, b, input_precision=\"ieee\")",
+                                                            "h = tl.dot(h, b,, input_precision=\"ieee\")"))
+    broke = judged(manifest_text)
+    assert broke.status == Status.failed and broke.metrics["loop_divisions"].value == 0  # blind to the file
+    (head,) = [f for f in broke.findings if f.failed]
+    assert head.location.file == "pkg/kernels.py" and head.message.startswith("does not parse")
+    assert head.location.condition == f"line {_line(KERNELS, 'h = tl.dot(h, b, input')}"
+    # a file that did not parse when `init` ran is tolerated by name, like any site the tree had then
+    key = tolerated_key("pkg/kernels.py", None, head.message)
+    held = judged(manifest_text.replace("params: {paths: [pkg]},", f"params: {{paths: [pkg], tolerated: [{key!r}]}},"))
+    assert held.status == Status.passed and not any(f.failed for f in held.findings)
+    assert held.findings[0].message.endswith("(tolerated in the manifest)")
+

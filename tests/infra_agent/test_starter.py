@@ -320,3 +320,19 @@ def test_the_pytest_probes_cover_as_many_kernel_files_as_their_number_allows(tmp
     assert chosen == ["tests/test_k0_a.py", "tests/test_kernels.py"], chosen
     every = [p["pytest"][0] for p in yaml.safe_load(starter_manifest(inspect(tmp_path)))["probes"] if "pytest" in p]
     assert len(every) == 2  # a test that covers nothing new and no other set of kernel files: left as a comment
+
+
+def test_init_tolerates_a_file_that_does_not_parse_today_in_every_check(tmp_path):
+    from tests.feedback.test_checks import KERNELS  # a kernel file with a fp32 dot, a loop division and a PyDLL
+
+    root = tmp_path / "r"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "kernels.py").write_text(KERNELS)
+    (root / "pkg" / "py2.py").write_text("import ctypes\nimport triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                                         "def k(x):\n    print tl.dot(x, x) / 2\n\n\nLIB = ctypes.PyDLL(None)\n")
+    probes = {p["id"]: p for p in yaml.safe_load(starter_manifest(inspect(root)))["probes"]}
+    for pid in ("static.dot_precision", "static.kernel_loop_division", "static.gil_native"):
+        assert any(t.startswith("pkg/py2.py: -: does not parse") for t in probes[pid]["params"]["tolerated"]), pid
+    assert probes["static.dot_precision"]["params"]["tolerated"] == [
+        t for t in probes["static.dot_precision"]["params"]["tolerated"] if "py2.py" in t]  # its sites are reported
