@@ -15,8 +15,10 @@ PyDLL as Loader`` is ``ctypes.PyDLL``.
   accumulation and are not counted (``params.every: true`` counts every dot without a precision).
   Metric ``implicit_precision``.
 * ``gil_native``: native libraries loaded so that their calls hold the GIL for their whole
-  duration (``ctypes.PyDLL``, ``ctypes.pydll``, ``ctypes.pythonapi``): every other Python thread of
-  the process (a KV-transfer thread, a scheduler) stops while they run.  Metric ``gil_holding_loads``.
+  duration (``ctypes.PyDLL``, ``ctypes.pydll``): every other Python thread of the process (a
+  KV-transfer thread, a scheduler) stops while they run.  Not ``ctypes.pythonapi``: the interpreter's
+  own C API (``PyCapsule_GetPointer``) must hold the GIL, and CDLL is no cure for it (flash-attention's
+  capsule idiom).  Metric ``gil_holding_loads``.
 * ``tf32_switch``: a statement that puts every later fp32 matmul of the process on tf32 tensor cores
   (``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_float32_matmul_precision("high")``,
   ``fp32_precision = "tf32"``): a torch-level state merge or reference then loses the precision a kernel's
@@ -274,7 +276,7 @@ def import_aliases(tree: ast.AST) -> dict[str, str]:
 
 
 #: the ctypes loaders whose functions run with the GIL held, and its handle on the interpreter's own C API
-GIL_HOLDING = ("ctypes.PyDLL", "ctypes.pydll", "ctypes.pythonapi")
+GIL_HOLDING = ("ctypes.PyDLL", "ctypes.pydll")
 
 
 def gil_native(tree: ast.AST, rel: str) -> Iterator[Site]:
@@ -342,7 +344,7 @@ def kernel_loop_division(tree: ast.AST, rel: str) -> Iterator[Site]:
             if not isinstance(loop, (ast.For, ast.While)):
                 continue
             for node in ast.walk(loop):
-                div = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) or \
+                div = isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.Div) or \
                     isinstance(node, ast.Call) and dotted_name(node.func).split(".")[-1] in ("fdiv", "div_rn")
                 if div and id(node) not in seen:
                     seen.add(id(node))
@@ -416,7 +418,7 @@ class DigestStore:
 #: words without one of which a file cannot hold a site of the check, so it is not parsed for it: each check
 #: matches a name whose last part the source spells out (in the use itself, or in the import that aliases it)
 NEEDLES = {"dot_precision": ("dot",), "kernel_loop_division": ("jit", "autotune", "heuristics"),
-           "gil_native": ("PyDLL", "pydll", "pythonapi"),
+           "gil_native": ("PyDLL", "pydll"),
            "tf32_switch": ("allow_tf32", "fp32_precision", "float32_matmul_precision")}
 
 
