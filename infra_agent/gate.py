@@ -368,13 +368,16 @@ def assess(patch: Patch, manifest: Manifest, tree: str | pathlib.Path | None = N
         return Assessment(refused=refused, error="the diff has carriage returns (CRLF line endings): it would change "
                                                  "line endings, not only content; send it with LF endings")
     try:
-        sources = _patched_sources(patch, pathlib.Path(tree)) if tree is not None else {}
         added = {f.path: {no for no, _ in f.added} for f in patch.files}
-        old_paths = [_old_path(ln) for ln in patch.diff.splitlines() if ln.startswith("--- ")]
-        why = None if refused else tamper.refusal(patch.diff, patch.paths, [p for p in old_paths if p], sources,
-                                                  added, manifest)
-        if why:
-            return Assessment(refused=f"the patch reaches what judges it: {why}")
+        old_paths = [p for ln in patch.diff.splitlines() if ln.startswith("--- ") and (p := _old_path(ln))]
+        # what the paths and headers alone refuse (a protected file moved away, a rename) is said before the
+        # patched sources are built, which a rename would stop with an error about a missing file
+        for sources in ({}, None):
+            if sources is None:
+                sources = _patched_sources(patch, pathlib.Path(tree)) if tree is not None else {}
+            why = None if refused else tamper.refusal(patch.diff, patch.paths, old_paths, sources, added, manifest)
+            if why:
+                return Assessment(refused=f"the patch reaches what judges it: {why}")
         findings: list[RiskFinding] = []
         # each Python file parsed once a side: after the patch (added lines), before it (removed lines)
         trees = {f.path: (module(sources.get(f.path), f.path), module(_old_source(tree, f.path), f.path))
@@ -420,5 +423,7 @@ def assess_text(diff: str, manifest: Manifest, tree: str | pathlib.Path | None =
     except PatchRefused as exc:  # pragma: no cover - parse without a manifest never refuses
         return Assessment(refused=str(exc))
     except PatchError as exc:
+        if why := tamper.not_content(diff):  # a rename or mode change alone has no hunk to parse
+            return Assessment(refused=f"the patch reaches what judges it: {why}")
         return Assessment(error=str(exc))
     return assess(patch, manifest, tree)

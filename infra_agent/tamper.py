@@ -52,12 +52,19 @@ def refusal(diff: str, paths: list[str], old_paths: list[str], sources: dict[str
     for rel in old_paths:
         if (pat := manifest.is_protected(rel)) is not None:
             return f"{rel} is protected ({pat}) and the patch removes or moves it"
-    if m := _HEADERS.search(diff):
-        return (f"'{m.group(0).strip()}': only content edits are judged (no renames, copies, mode changes, "
-                "symbolic links or binary patches)")
+    if why := not_content(diff):
+        return why
     for rel, source in sources.items():
         if why := _python(rel, source, added.get(rel, set()), manifest):
             return why
+    return None
+
+
+def not_content(diff: str) -> str | None:
+    """Why a diff is more than a content edit (a rename, copy, mode change, symbolic link, binary patch), or None."""
+    if m := _HEADERS.search(diff):
+        return (f"'{m.group(0).strip()}': only content edits are judged (no renames, copies, mode changes, "
+                "symbolic links or binary patches)")
     return None
 
 

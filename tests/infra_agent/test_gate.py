@@ -325,3 +325,21 @@ def test_a_moved_launch_argument_is_shown_on_both_sides_each_numbered_and_marked
     assert by_line(moved.findings) == [f"k.py:{at} numerics (ast.kernel-launch): _add[(1,)](b, a, out, n)",
                                        f"k.py:{at} (removed) numerics (ast.kernel-launch): _add[(1,)](a, b, out, n)"]
     assert launch[1].render().startswith(f"numerics: ast.kernel-launch at k.py:{at} (removed): ")
+
+
+def test_a_rename_or_a_mode_change_is_refused_for_what_it_is_not_an_error_about_a_missing_file(tmp_path):
+    # flash-attention: moving a protected test into the package with a one-line edit was an error ("does not
+    # apply: ... No such file"), not a refusal; a pure rename or a mode change was "not a unified diff"
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("import pytest\n")
+    moved = ("diff --git a/tests/test_x.py b/pkg/_x.py\nsimilarity index 90%\nrename from tests/test_x.py\n"
+             "rename to pkg/_x.py\n--- a/tests/test_x.py\n+++ b/pkg/_x.py\n@@ -1 +1 @@\n-import pytest\n"
+             "+import pytest  # moved\n")
+    result = assess_text(moved, MANIFEST, tree=tmp_path)
+    assert result.decision == "refused" and not result.error
+    assert "tests/test_x.py is protected (tests/**) and the patch removes or moves it" in result.refused
+    renamed = "diff --git a/pkg/a.py b/pkg/b.py\nsimilarity index 100%\nrename from pkg/a.py\nrename to pkg/b.py\n"
+    mode = "diff --git a/pkg/a.py b/pkg/a.py\nold mode 100644\nnew mode 100755\n"
+    for diff, header in ((renamed, "'rename from'"), (mode, "'old mode'")):
+        result = assess_text(diff, MANIFEST, tree=tmp_path)
+        assert result.decision == "refused" and header in result.refused and not result.error
