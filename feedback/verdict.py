@@ -453,6 +453,11 @@ def replay_regressions(recorded: list[tuple[str, ProbeResult]], now: list[ProbeR
                 regressed.append(f"{then.probe}: " + ", ".join(worse))
             details.append(line + (f"; regressed: {', '.join(worse)}" if worse else "; within the noise"))
             continue
+        if then.status == Status.passed and cur.status == Status.skipped:
+            # the same diff on the same base: what changed is the machine (no GPU, a package it lacks), which
+            # cannot judge the probe; not a regression of the code, and not a pass either
+            details.append(line + f" (not judged on this machine: {cur.reason or 'skipped'})")
+            continue
         if then.status != cur.status:
             regressed.append(f"{then.probe} was {then.status.value}, now {cur.status.value}"
                              + (f" ({cur.reason})" if cur.reason else "")

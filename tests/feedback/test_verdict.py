@@ -277,6 +277,18 @@ def test_replay_holds_counted_work_to_the_record_under_the_same_triton():
     assert moved == []
 
 
+def test_replay_of_a_pass_the_machine_cannot_run_is_not_judged_and_a_failure_still_counts():
+    # flash-attention: a record whose test passed where its compiled extension was importable, replayed where it
+    # is not, had read "regressed: was pass, now skipped"; the code is the same, the machine is not
+    then = [("correctness", result("t"))]
+    lost = result("t", Status.skipped, "needs the package 'flash_attn_2_cuda'")
+    regressed, details = replay_regressions(then, [lost], [])
+    assert regressed == [] and details == ["t: recorded pass, now skipped (not judged on this machine: needs the "
+                                           "package 'flash_attn_2_cuda')"]
+    regressed, _ = replay_regressions(then, [result("t", Status.failed, "1 test failed")], [])
+    assert regressed and regressed[0].startswith("t was pass, now fail")
+
+
 def test_combine_runs_keeps_samples_and_stops_at_a_broken_run():
     runs = [result("t", ms=Metric(value=v, better="lower")) for v in (3.0, 1.0, 2.0)]
     runs[1].findings.append(Finding(message="slow"))
