@@ -188,10 +188,14 @@ def feedback(
     executor: str = typer.Option("local", "--executor", help="local (subprocesses here) or ray"),
     address: str = typer.Option(None, "--address", help="with --executor ray: an existing cluster (default: a "
                                                         "local Ray instance for this run)"),
+    fail_on: str = typer.Option("any", "--fail-on", help="any: exit 1 when a probe fails; new: beside a baseline "
+                                                         "(--changed-from, --baseline), only when the change breaks "
+                                                         "or slows what held there (verdict incorrect or worse)"),
 ) -> None:
     """Judge a target tree with its probes: correctness, microbenchmarks, traces, events, serving metrics.
 
-    Exit code 0: every probe passed; 1: a probe or an acceptance criterion failed; 2: usage or manifest error.
+    Exit code 0: every probe passed (with ``--fail-on new``: the change broke nothing that held on the
+    baseline); 1: a probe or an acceptance criterion failed; 2: usage or manifest error.
     """
     import pathlib
 
@@ -199,9 +203,14 @@ def feedback(
     from feedback.changes import DiffError, changed_files
     from feedback.harness import UnknownProbe, export_baseline, judge
     from feedback.manifest import ManifestError, load_manifest, parse_manifest
+    from feedback.models import FeedbackReport
 
     if changed_from and diff:
         fail("--changed-from and --diff are alternatives: give one")
+    if fail_on not in ("any", "new"):
+        fail(f"--fail-on {fail_on}: give 'any' or 'new'")
+    if fail_on == "new" and not (changed_from or baseline):
+        fail("--fail-on new judges a change beside its baseline: give --changed-from REV or --baseline REV")
     if diff and not pathlib.Path(diff).is_file():
         fail(f"--diff {diff}: no such file")
     root = _target_root(target)
@@ -217,7 +226,8 @@ def feedback(
     if request is not None and (hit := memo.lookup(state.memos, request, state.cache)) is not None:
         _print_report(hit.report, as_json)
         err_console.print(memo.note(hit), style="dim", highlight=False)
-        raise typer.Exit(hit.code)
+        raise typer.Exit(hit.code if fail_on == "any" else _exit_code(FeedbackReport.model_validate_json(hit.report),
+                                                                      fail_on))
     recorder = memo.Recorder(state.memos, request, state.cache) if request is not None else None
     try:
         manifest = parse_manifest(manifest_text, manifest_file) if manifest_file else load_manifest(root)
@@ -248,7 +258,18 @@ def feedback(
     except (ManifestError, UnknownProbe, DiffError, ValueError) as exc:
         fail(str(exc))
     _print_report(report, as_json)
-    raise typer.Exit(0 if report.passed else 1)
+    raise typer.Exit(_exit_code(report, fail_on))
+
+
+def _exit_code(report, fail_on: str) -> int:
+    """``feedback``'s exit code: 1 where a probe failed, or with ``fail_on='new'`` where the change is judged
+    incorrect or worse than its baseline (a check failing on the baseline too is the repository's, not the
+    change's: a CI job on a tree with a known failure still tells a new problem from the old one)."""
+    if fail_on == "new":
+        from feedback.verdict import verdict
+
+        return 1 if (report.verdict or verdict(report)).name in ("incorrect", "worse") else 0
+    return 0 if report.passed else 1
 
 
 def _print_report(report, as_json: bool) -> None:

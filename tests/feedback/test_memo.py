@@ -63,6 +63,22 @@ def test_an_unchanged_rerun_is_served_and_prints_what_the_full_path_prints(toy):
     assert served(table) and table.returncode == 1 and "toy.bad" in table.stdout
 
 
+def test_fail_on_new_tells_a_change_that_broke_nothing_from_one_that_did(toy):
+    # FlagGems: a check failing on the repository before any change made every `--changed-from` exit 1, so CI
+    # could not tell a new problem from the old one; `--fail-on new` exits 1 only for what the change broke
+    tree = committed(toy)  # toy.bad fails on both sides; the change breaks nothing
+    for attempt in range(2):  # the full path, then the memo it wrote
+        out = feedback(tree, "--changed-from", "HEAD", "--fail-on", "new")
+        assert out.returncode == 0 and served(out) == bool(attempt), out.stderr
+        assert json.loads(out.stdout)["verdict"]["name"] == "unchanged"
+    assert feedback(tree, "--changed-from", "HEAD").returncode == 1  # the default: any failing probe
+    (tree / "toy" / "value.txt").write_text("oops")  # toy.ok's input: a check that held on the baseline fails
+    out = feedback(tree, "--changed-from", "HEAD", "--fail-on", "new")
+    assert out.returncode == 1 and json.loads(out.stdout)["verdict"]["name"] == "incorrect", out.stdout[-2000:]
+    bad = feedback(tree, "--fail-on", "new")
+    assert bad.returncode == 2 and "--changed-from REV or --baseline REV" in bad.stderr
+
+
 def _rewrite_keeping_size_and_times(path: pathlib.Path, text: str) -> None:
     st = path.stat()
     assert len(text) == st.st_size
