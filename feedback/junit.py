@@ -25,6 +25,8 @@ from feedback.needs import lacks
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)'
                     r'|^(?P<spath>[^\s:"<]+\.py):(?P<sline>\d+): in (?P<sfunc>\S+)')
 _EXCEPTION = re.compile(r"^(E\s+)?(?P<line>[\w.]+(Error|Exception|Exit|Interrupt)\b.*)")
+# where a SyntaxError (IndentationError, TabError) was found: the parser's own line, no function, after the frames
+_PARSED_AT = re.compile(r'^(E\s+)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)\s*$')
 
 
 def is_test_file(rel: str) -> bool:
@@ -38,23 +40,31 @@ def localise(traceback: str, tree: pathlib.Path) -> tuple[str, int, str] | None:
     root = tree.resolve()
     frames = []
     for line in traceback.splitlines():
+        if (p := _PARSED_AT.match(line)) and (at := _in_tree(p["path"], root)):
+            # a file of the tree that does not parse: the fault is there, not at the import that reached it
+            return at, int(p["line"]), "<module>"
         m = _FRAME.match(line)
         if not m:
             continue
         raw, num, func = (m["path"], m["line"], m["func"]) if m["path"] else (m["spath"], m["sline"], m["sfunc"])
-        if raw.startswith("<"):
-            continue  # "<frozen importlib._bootstrap>", "<string>": no file of the tree
-        path = pathlib.Path(raw)
-        path = path if path.is_absolute() else root / path
-        try:
-            rel = path.resolve().relative_to(root).as_posix()
-        except ValueError:
-            continue  # the standard library, site-packages, the harness
-        frames.append((rel, int(num), func))
+        # "<frozen importlib._bootstrap>", "<string>", the standard library, site-packages, the harness: not the tree's
+        if rel := _in_tree(raw, root):
+            frames.append((rel, int(num), func))
     for rel, line, func in reversed(frames):
         if not is_test_file(rel):
             return rel, line, func
     return frames[-1] if frames else None
+
+
+def _in_tree(raw: str, root: pathlib.Path) -> str | None:
+    """``raw`` (a traceback's path, absolute or relative to the tree) relative to ``root``, or None outside it."""
+    if raw.startswith("<"):
+        return None
+    path = pathlib.Path(raw)
+    try:
+        return (path if path.is_absolute() else root / path).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return None
 
 
 def _short(name: str) -> str:

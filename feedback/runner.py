@@ -36,7 +36,7 @@ from collections.abc import Callable
 from feedback import forkserver, jobserver, machine
 from feedback.lifeline import HARNESS_PID
 from feedback.manifest import SECRET_VAR, Manifest, ProbeSpec
-from feedback.models import Finding, Fingerprint, Metric, ProbeResult, Status
+from feedback.models import Finding, Fingerprint, Location, Metric, ProbeResult, Status
 from feedback.needs import absent_package, importable, lacks
 from feedback.state import StateDir
 from feedback.timing import WITNESS_FD
@@ -506,7 +506,6 @@ class Runner:
     def _run_check(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """A built-in static check (feedback/checks.py), in this process: it only reads the tree's source."""
         from feedback.checks import DigestStore, run_check
-        from feedback.models import Finding, Location
         from feedback.sites import TOLERATED, split_tolerated
 
         t0 = time.perf_counter()
@@ -541,6 +540,20 @@ class Runner:
         return ProbeResult(probe=spec.id, status=Status.failed if failed else Status.passed,
                            metrics={metric: Metric(value=count, better="lower")}, findings=findings,
                            duration_s=time.perf_counter() - t0), True
+
+    def _stopped(self, spec: ProbeSpec, why: str, output: str, base: dict) -> ProbeResult:
+        """A pytest run that stopped before it could write a result (a conftest that raised, a usage error): its
+        exception and the tree's frame it came from, not the last line it printed (the second line of a
+        message, or pytest's own footer)."""
+        from feedback.junit import exception_line, localise
+
+        said = exception_line(output) or next(iter([ln for ln in output.strip().splitlines() if ln.strip()][-1:]), "")
+        at = localise(output, self.tree)
+        findings = [Finding(message=f"pytest stopped before running a test: {said[:300]}", failed=True,
+                            location=Location(file=at[0], symbol=at[2], condition=f"line {at[1]}"))] if at else []
+        return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
+                           + (f": {said[:200]}" if said else "") + (f" (at {at[0]}:{at[1]})" if at else ""),
+                           findings=findings, **base)
 
     def _run_pytest(self, spec: ProbeSpec) -> tuple[ProbeResult, bool]:
         """The tree's own tests (node ids), under the lifeline; JUnit XML says what failed and where."""
@@ -581,9 +594,7 @@ class Runner:
                     # pytest stopped before collecting (a conftest's import): no test can run on this machine
                     return self._unstartable(need, base), True
                 why = "no tests were collected" if rc == 5 else self._exit_reason(rc or 1)
-                last = [ln for ln in (stdout + stderr).strip().splitlines() if ln.strip()][-1:]
-                return ProbeResult(status=Status.error, reason=f"pytest {' '.join(spec.pytest)[:200]}: {why}"
-                                   + (f": {last[0][:200]}" if last else ""), **base), False
+                return self._stopped(spec, why, stdout + "\n" + stderr, base), False
             try:
                 summary = read_junit(xml, self.tree, roots=self.import_roots)
             except ValueError as exc:
@@ -723,7 +734,6 @@ def apply_thresholds(spec: ProbeSpec, result: ProbeResult) -> ProbeResult:
     """Manifest thresholds over the probe's metrics: a violated bound fails the probe, localised."""
     if result.status not in (Status.passed, Status.failed) or not spec.thresholds:
         return result
-    from feedback.models import Finding, Location
 
     findings, failed = list(result.findings), result.status == Status.failed
     for name, th in spec.thresholds.items():

@@ -69,6 +69,18 @@ FILES = {
         def test_handler():
             assert handler
         """,
+    "pkg/rotary.py": """
+        def apply(x, cos, sin):
+            return launch(x, cos, sin,, 4)
+        """,
+    "pkg/layers.py": "from pkg.rotary import apply  # noqa: F401\n",
+    "tests/test_layers.py": """
+        from pkg.layers import apply
+
+
+        def test_apply():
+            assert apply
+        """,
     "tests/test_big.py": """
         import pytest
 
@@ -85,6 +97,7 @@ probes:
   - {id: machine, kind: correctness, pytest: [tests/test_serve.py, tests/test_gpu.py], interpret: true}
   - {id: wiring, kind: correctness, pytest: [tests/test_wiring.py]}
   - {id: big, kind: correctness, pytest: [tests/test_big.py]}
+  - {id: syntax, kind: correctness, pytest: [tests/test_layers.py]}
 """
 
 
@@ -134,6 +147,13 @@ def test_a_broken_import_of_the_trees_own_code_is_a_failure_bound_to_the_import(
     # pytest prints an import error as "path:line: in <module>" lines, not as a native traceback
     assert "No module named 'pkg.renamed_away'" in f.message
     assert (f.location.file, f.location.symbol) == ("pkg/wiring.py", "<module>")
+
+
+def test_a_file_that_does_not_parse_is_the_fault_not_the_import_that_reached_it(results):
+    # flash-attention: a stray comma in a kernel's launch was blamed on the layer module's line importing it
+    f = results["syntax"].findings[0]
+    assert results["syntax"].status == Status.failed and "SyntaxError" in f.message, f.message
+    assert (f.location.file, f.location.condition.split(",")[0]) == ("pkg/rotary.py", "line 2"), f.location
 
 
 def test_tests_that_all_skip_themselves_judge_nothing(results):
@@ -210,6 +230,10 @@ def test_a_conftest_that_imports_a_missing_package_is_the_machines_and_a_candida
 
     def tree(name: str, conftest: str | None) -> tuple[pathlib.Path, object]:
         root = tmp_path / name
+        (root / "pkg").mkdir(parents=True, exist_ok=True)
+        (root / "pkg" / "device.py").write_text("def _probe():\n    raise RuntimeError('No device were detected on "
+                                                "your machine !\\nPlease check that your driver is complete.')\n\n"
+                                                "\n_probe()\n")
         for rel in ("pkg/__init__.py", "pkg/core.py", "tests/test_core.py"):
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_text(textwrap.dedent(FILES[rel]).lstrip())
@@ -234,9 +258,13 @@ def test_a_conftest_that_imports_a_missing_package_is_the_machines_and_a_candida
     assert "conftest needs the package 'a_fixture_library_not_installed_here'" in cand.reason
     judged = verdict(FeedbackReport(target="t", candidate="c", results=[cand], baseline_results=[base]))
     assert judged.name == "incorrect" and any("cannot run on this machine" in b for b in judged.broke), judged
-    # a conftest broken by the tree's own code is the code's: an error, never excused as the machine's
-    _, own = tree("own", "from pkg.core import renamed_away  # noqa: F401\n")
+    # a conftest broken by the tree's own code is the code's: an error, never excused as the machine's, saying
+    # its exception and where (FlagGems: a message's second line had been all the reason said)
+    _, own = tree("own", "import pkg.device  # noqa: F401\n")
     assert own.status == Status.error and own.absent == [], own.reason
+    assert "RuntimeError: No device were detected" in own.reason and "(at pkg/device.py:2)" in own.reason, own.reason
+    (where,) = own.findings
+    assert (where.location.file, where.location.condition, where.failed) == ("pkg/device.py", "line 2", True)
 
 
 def test_a_test_that_asserts_a_gpu_is_there_needs_one_and_is_not_the_codes_failure(tmp_path):
