@@ -25,6 +25,14 @@ from feedback.models import Finding, ProbeResult, Status
 KNOWN = " (on the baseline too)"
 _AT_LINE = re.compile(r"^line (\d+)")
 _NUMBERS = re.compile(r":\d+\b|\bline \d+")
+# what a site's message says of its callee's whole declaration (the argument-order check's ``declares (q, k, ...)``):
+# not its identity, or a parameter added at the end of a callee would make every tolerated call of it new
+_DECLARED = re.compile(r" declares \([^()]*\)")
+
+
+def identity(message: str) -> str:
+    """A site's message as its identity: line numbers and the callee's declared parameters left out."""
+    return _DECLARED.sub(" declares (...)", _NUMBERS.sub("", message)).strip()
 
 SiteKey = tuple[str, str, str, str]
 
@@ -36,7 +44,7 @@ def tolerated_key(file: str, symbol: str | None, message: str) -> str:
     """How a manifest names a site it tolerates (a static check's ``params.tolerated``, written by ``init`` for
     what the tree had then): ``file: symbol: message``, the line numbers in the message left out, so that an
     edit above the site does not make it new."""
-    return f"{file}: {symbol or '-'}: {_NUMBERS.sub('', message).strip()}"
+    return f"{file}: {symbol or '-'}: {identity(message)}"
 
 
 class Tolerated:
@@ -44,7 +52,7 @@ class Tolerated:
     second identical site is new."""
 
     def __init__(self, keys: list[str]) -> None:
-        self.left = Counter(keys)
+        self.left = Counter(identity(k) for k in keys)  # as written by `init`, before identities were narrowed
 
     def take(self, site) -> bool:
         """Whether ``site`` (a ``feedback.checks.Site``) is tolerated; an entry that tolerates it is used up."""
@@ -88,7 +96,7 @@ def _key(finding: Finding, line: Callable[[str, int], str | None]) -> SiteKey | 
     text = line(loc.file, int(at[1]))
     if text is None:
         return None
-    return loc.file, loc.symbol or "", _NUMBERS.sub("", finding.message), text
+    return loc.file, loc.symbol or "", identity(finding.message), text
 
 
 def mark_known(manifest: Manifest, tree: str | pathlib.Path, results: list[ProbeResult],

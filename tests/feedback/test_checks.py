@@ -521,3 +521,27 @@ def test_a_division_in_place_in_a_kernel_loop_is_a_site_and_one_outside_any_loop
     ''')
     sites = list(kernel_loop_division(ast.parse(src), "k.py"))
     assert [s.message.split(": ", 1)[1] for s in sites] == ["acc /= 3.0", "triton.language.fdiv(acc, 2.0)"]
+
+
+def test_a_parameter_added_to_a_callee_leaves_its_tolerated_calls_tolerated(tmp_path):
+    # flash-attention: `num_stages: int = 1` appended to a cute helper's declaration made the calls `init` had
+    # tolerated (in another order on purpose) new, and the check failed; its swaps are what identify a site
+    from feedback.sites import split_tolerated, tolerated_key
+
+    (tmp_path / "pkg").mkdir()
+    calls = "\n\n\ndef f(a, b, out):\n    return gemm(a, b, out)\n\n\ndef t(a, b, out):\n    return gemm(b, a, out)\n"
+    (tmp_path / "pkg" / "g.py").write_text("def gemm(a, b, out):\n    return out" + calls)
+    _, n, sites = run_check("argument_order", tmp_path, ["pkg"])
+    keys = [tolerated_key(s.file, s.symbol, s.message) for s in sites[:n]]
+    assert n == 1 and "declares (...)" in keys[0] and "`b` as parameter 1" in keys[0]
+    (tmp_path / "pkg" / "g.py").write_text("def gemm(a, b, out, num_stages=1):\n    return out" + calls)
+    _, n, sites = run_check("argument_order", tmp_path, ["pkg"])
+    new, kept, stale = split_tolerated(sites[:n], keys)
+    assert (len(new), len(kept), stale) == (0, 1, [])
+    # an entry written with the whole declaration (a manifest from before) reads the same
+    old = [keys[0].replace("declares (...)", "declares (a, b, out)")]
+    assert split_tolerated(sites[:n], old)[:2] == ([], sites[:n])
+    # a second call swapped the same way is new
+    (tmp_path / "pkg" / "g.py").write_text((tmp_path / "pkg" / "g.py").read_text() + "    gemm(b, a, out)\n")
+    _, n, sites = run_check("argument_order", tmp_path, ["pkg"])
+    assert len(split_tolerated(sites[:n], keys)[0]) == 1
