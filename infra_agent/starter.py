@@ -46,6 +46,9 @@ class Inventory:
     direct_tests: dict[str, list[str]] = field(default_factory=dict)  # test file -> kernel files it imports itself
     test_needs: dict[str, list[str]] = field(default_factory=dict)  # test file -> packages it imports, absent here
     conftest_needs: dict[str, list[str]] = field(default_factory=dict)  # conftest.py -> absent packages it imports
+    # test files that reach kernels and assert nothing: timing loops named test_* (FlagGems' benchmark/*_perf.py),
+    # which pass whatever the kernel computes; never chosen as a correctness probe
+    assert_nothing: list[str] = field(default_factory=list)
     bench_files: list[str] = field(default_factory=list)
     references: list[str] = field(default_factory=list)
 
@@ -174,6 +177,11 @@ def _import_root(root: pathlib.Path) -> tuple[str, bool]:
     return (counts[0][1] if counts and counts[0][0] else "."), False
 
 
+# what a test that judges something does: an assert statement or an assert-like helper (assert_close,
+# gems_assert_close, assertEqual), a comparison helper, an expected exception
+_ASSERTS = re.compile(r"assert|allclose|isclose|\braises\b|\btesting\.|\bcheck_\w+\(|\bcompare\w*\(")
+
+
 def _is_test(rel: str) -> bool:
     p = pathlib.PurePosixPath(rel)
     return p.name.startswith("test_") or p.stem.endswith("_test")
@@ -227,6 +235,8 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         for m in imported:
             hit |= reach.files(m)
             direct |= reach.files(m, hops=0)
+        if hit and not _ASSERTS.search(source):
+            inv.assert_nothing.append(test)
         if hit:
             inv.kernel_tests[test] = sorted(hit)
             roots = [root / inv.import_root, root]
@@ -299,10 +309,11 @@ def _used_references(inv: Inventory) -> list[str]:
 
 
 class _Reach:
-    """The kernel files an imported name reaches: the kernel module itself, a name from it, or its own package
-    (``from pkg.ops.kda import chunk_kda``), then, hop by hop, the kernel modules that the package modules
-    reached so far import (a test of ``mamba3_siso_combined``, which has no kernel, tests the forward and
-    backward kernel files it imports), for as long as the files stay few: an import that reaches more than
+    """The kernel files an imported name reaches: the kernel module itself, a name from it (for a name a
+    package re-exports, its origin: ``from pkg.ops.kda import chunk_kda``), or the kernel modules its own
+    package's ``__init__`` imports, then, hop by hop, the kernel modules that the package modules reached so
+    far import (a test of ``mamba3_siso_combined``, which has no kernel, tests the forward and backward kernel
+    files it imports), for as long as the files stay few: an import that reaches more than
     ``broad`` kernel files names the package's kernels, not what the test tests (``import pkg``), and keeps
     only the hops before it went broad."""
 
@@ -313,8 +324,13 @@ class _Reach:
         self._memo: dict[tuple[str, int], set[str]] = {}
 
     def _direct(self, name: str) -> set[str]:
-        return {mod for mod in self.kernel_modules
-                if name == mod or name.startswith(mod + ".") or mod.rpartition(".")[0] == name}
+        # the kernel module itself, a name in it, or a kernel module of the package ``name`` that the package's
+        # __init__ imports (`from fla.ops.based import fused_chunk_based`: the package is the kernels' front);
+        # not every kernel module beside it: `from pkg import x` names `pkg` too, and flash-attention's tests of
+        # `flash_attn`'s interface had become tests of two Triton files in that package that nothing imports
+        front = self.graph.get(name, ())
+        return {mod for mod in self.kernel_modules if name == mod or name.startswith(mod + ".")
+                or mod.rpartition(".")[0] == name and any(i == mod or i.startswith(mod + ".") for i in front)}
 
     def _module_of(self, name: str) -> str | None:
         while name and name not in self.graph:
@@ -433,7 +449,10 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
     for conftest, needs in sorted(inv.conftest_needs.items()):
         notes.append(f"# not installed here: {', '.join(needs)}, which {conftest} needs: pytest stops before "
                      f"collecting the tests under {pathlib.PurePosixPath(conftest).parent}/ (skipped, not failed)")
-    others = [t for t in inv.test_files if t not in chosen]
+    if inv.assert_nothing:
+        notes.append("# test files that reach kernels but assert nothing (timing loops?), not written as probes: "
+                     + ", ".join(inv.assert_nothing[:8]) + (" ..." if len(inv.assert_nothing) > 8 else ""))
+    others = [t for t in inv.test_files if t not in chosen and t not in inv.assert_nothing]
     if others:
         notes.append("# other test files (add a pytest probe for those that judge code you change):")
         notes += [f"#   {t}" for t in others[:20]]
@@ -452,9 +471,10 @@ def _choose_tests(inv: Inventory, max_tests: int) -> list[str]:
     this machine can import (not a test of an optional backend whose package is absent), then one named after
     its kernel's file (test_rms_norm.py for rms_norm.py), then one of the folder that holds the most kernel tests
     (the main suite, not a backend's parity test against the kernel).  Chosen for breadth: each next one is the
-    test that covers the most kernel files no chosen test covers yet (those it imports itself, else those it
-    reaches; torchao's five tests of mx_formats/kernels.py had left fifteen kernel files without one); then,
-    while slots are left, one per set of kernel files not chosen yet."""
+    kernel's own test that covers the most kernel files no chosen test covers yet (those it reaches: a probe
+    covers them all; torchao's five tests of mx_formats/kernels.py had left fifteen kernel files without one,
+    and on flash-linear-attention 115 of its kernel files are covered, 81 where only a test's own imports
+    counted), then the others alike; then, while slots are left, one per set of kernel files not chosen yet."""
     direct = inv.direct_tests
     per_folder: dict[str, int] = {}
     for t in inv.kernel_tests:
@@ -465,23 +485,20 @@ def _choose_tests(inv: Inventory, max_tests: int) -> list[str]:
         stem = pathlib.PurePosixPath(t).stem.removeprefix("test_").removesuffix("_test")
         return any(pathlib.PurePosixPath(k).stem == stem for k in inv.kernel_tests[t])
 
-    def own(t: str) -> set[str]:
-        return set(direct.get(t) or inv.kernel_tests[t])
-
-    ranked = sorted(inv.kernel_tests, key=lambda t: (t not in direct, len(direct.get(t, ())),
-                                                     len(inv.kernel_tests[t]), bool(inv.test_needs.get(t)),
-                                                     not named_after(t),
-                                                     -per_folder[str(pathlib.PurePosixPath(t).parent)], t))
+    judging = [t for t in inv.kernel_tests if t not in inv.assert_nothing]
+    ranked = sorted(judging, key=lambda t: (t not in direct, len(direct.get(t, ())), len(inv.kernel_tests[t]),
+                                            bool(inv.test_needs.get(t)), not named_after(t),
+                                            -per_folder[str(pathlib.PurePosixPath(t).parent)], t))
     rank = {t: i for i, t in enumerate(ranked)}
     chosen: list[str] = []
     covered: set[str] = set()
     while len(chosen) < max_tests:
         best = max((t for t in ranked if t not in chosen), default=None,
-                   key=lambda t: (t in direct, len(own(t) - covered), -rank[t]))
-        if best is None or not own(best) - covered:
+                   key=lambda t: (t in direct, len(set(inv.kernel_tests[t]) - covered), -rank[t]))
+        if best is None or not set(inv.kernel_tests[best]) - covered:
             break
         chosen.append(best)
-        covered |= own(best)
+        covered |= set(inv.kernel_tests[best])
     seen = {tuple(inv.kernel_tests[t]) for t in chosen}
     for t in ranked:
         key = tuple(inv.kernel_tests[t])

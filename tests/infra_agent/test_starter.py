@@ -336,3 +336,30 @@ def test_init_tolerates_a_file_that_does_not_parse_today_in_every_check(tmp_path
         assert any(t.startswith("pkg/py2.py: -: does not parse") for t in probes[pid]["params"]["tolerated"]), pid
     assert probes["static.dot_precision"]["params"]["tolerated"] == [
         t for t in probes["static.dot_precision"]["params"]["tolerated"] if "py2.py" in t]  # its sites are reported
+
+
+def test_a_test_file_that_asserts_nothing_is_no_correctness_probe_and_a_package_does_not_reach_its_neighbours(
+        tmp_path):
+    # FlagGems: benchmark/test_fused_perf.py (timing loops, no assert) was the one probe of its fused kernels;
+    # flash-attention: `from flash_attn import x` made its interface tests "tests of" two Triton files in that
+    # package that nothing imports
+    root = tmp_path / "r"
+    _write(root, {"mylib/__init__.py": "from mylib.ops.scale import scale  # noqa: F401\n",
+                  "mylib/ops/__init__.py": "", "mylib/ops/scale.py": KERNEL,
+                  "mylib/attn_triton.py": KERNEL.replace("scale_kernel", "attn_kernel"),
+                  "mylib/interface.py": "def run(x):\n    return x\n",
+                  "tests/test_scale.py": TEST_KERNEL.replace("from mylib.ops.naive import scale_ref\n", "").replace(
+                      "scale_ref(3.0, 2.0)", "3.0"),
+                  "tests/test_interface.py": "from mylib import interface\n\n\ndef test_run():\n"
+                                             "    assert interface.run(1) == 1\n",
+                  "benchmark/test_scale_perf.py": "import time\nfrom mylib.ops.scale import scale\n\n\n"
+                                                  "def test_time():\n    t = time.perf_counter()\n    scale(3.0, 2.0)\n"
+                                                  "    print(time.perf_counter() - t)\n"})
+    inv = inspect(root)
+    assert inv.assert_nothing == ["benchmark/test_scale_perf.py"]
+    # `mylib` names the package: what its __init__ imports, not the attn_triton.py beside it
+    assert inv.kernel_tests["tests/test_interface.py"] == ["mylib/ops/scale.py"]
+    text = starter_manifest(inv)
+    chosen = [p["pytest"][0] for p in yaml.safe_load(text)["probes"] if "pytest" in p]
+    assert chosen == ["tests/test_scale.py"]
+    assert "assert nothing (timing loops?), not written as probes: benchmark/test_scale_perf.py" in text
