@@ -277,6 +277,13 @@ class Agent:
             record.decision = "discarded"
             self.ws.discard(cand)
             lines.append("decision: discarded; the baseline is unchanged")
+        elif assessment.held and (twin := self.queue.pending_twin(str(self.ws.root), patch.diff)) is not None:
+            # a session before this one proposed the very same change and it waits for a person: one item, not
+            # one per session (FlagGems: three identical tf32x3 items after three sessions)
+            record.decision, record.review_id = "held", twin.id
+            self.ws.discard(cand)
+            lines.append(f"decision: held; the same change is pending as review item {twin.id} (session "
+                         f"{twin.session}): no second item")
         elif assessment.held:
             record.decision = "held"
             record.branch = self.ws.keep_for_review(cand, commit_message(hypothesis, trailers={

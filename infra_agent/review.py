@@ -162,6 +162,13 @@ class ReviewQueue:
                  json.dumps(findings), json.dumps(evidence), json.dumps(validation), experiment))
             return int(cur.lastrowid)
 
+    def pending_twin(self, repo: str, diff: str) -> Item | None:
+        """A pending item of ``repo`` with this very diff (another session's proposal of the same change)."""
+        with self._connect() as db:
+            row = db.execute("SELECT * FROM items WHERE repo = ? AND state = 'pending' AND diff = ? ORDER BY id "
+                             "LIMIT 1", (repo, diff)).fetchone()
+        return self._item(row) if row is not None else None
+
     def get(self, item_id: int) -> Item:
         with self._connect() as db:
             row = db.execute("SELECT * FROM items WHERE id = ?", (item_id,)).fetchone()

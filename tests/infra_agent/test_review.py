@@ -353,3 +353,13 @@ def test_a_rejection_reason_reaches_the_next_session(tmp_path, monkeypatch):
         ws2.close()
         first_user = server.requests[0]["body"]["messages"][1]["content"]
     assert "rejected by erin: changes the tolerance semantics" in first_user
+
+
+def test_a_second_session_proposing_a_pending_change_adds_no_second_item(tmp_path, monkeypatch):
+    root, _ = _held_session(tmp_path, monkeypatch)
+    _, agent = proposed_session(root, "sess2", "compute is off by 0.5, again", RISKY_FIX, monkeypatch)
+    (attempt,) = agent.attempts
+    assert (attempt.decision, attempt.review_id, attempt.branch) == ("held", 1, None), attempt
+    q = ReviewQueue(StateDir.for_target(root).review_db)
+    assert [i.id for i in q.list()] == [1] and q.get(1).session == "sess"
+    assert not [b for b in git.Repo(root).branches if b.name.startswith("infra-agent/sess2-")]  # no candidate kept
