@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from feedback.checks import parse
-from feedback.manifest import MANIFEST_NAME, parse_manifest
+from feedback.manifest import MANIFEST_NAME, parse_manifest, path_matches
 from feedback.needs import importable
 from feedback.state import ENV_PARTS, SKIP_PARTS
 
@@ -283,6 +283,27 @@ def _unconditional_needs(root: pathlib.Path, import_root: str, path: pathlib.Pat
     return sorted(missing)
 
 
+def _test_helpers(inv: Inventory, tests: list[str]) -> list[str]:
+    """The modules outside the packages that ``tests`` import (a ``benchmark/performance_utils.py`` beside a test,
+    a ``utils.py`` at the root): they judge with the tests, so a patch may not change them.  Those under a
+    folder already protected whole, and the package's own modules, are left out."""
+    packages = tuple(f"{p}/" for p in inv.packages)
+    out: set[str] = set()
+    for test in tests:
+        tree = _parse(_read(inv.root / test), test)
+        if tree is None:
+            continue
+        here = pathlib.PurePosixPath(test).parent
+        for name in _imports(tree):
+            parts = name.split(".")
+            for base in {here, pathlib.PurePosixPath(".")}:  # pytest puts the test's folder (rootdir) on the path
+                for rel in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+                    path = rel.as_posix().removeprefix("./")
+                    if path != test and not path.startswith(packages) and (inv.root / path).is_file():
+                        out.add(path)
+    return sorted(out)
+
+
 def _used_references(inv: Inventory) -> list[str]:
     """The files named like a reference (``naive.py``, ``ref_attention.py``) that the kernels or their tests use as
     one: beside a kernel file, or imported by their module's name by a test that imports a kernel itself; never
@@ -437,10 +458,11 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         if ids.count(pid) > 1:
             probes[i]["id"] = f"{pid}_{i}"
     tests_dirs = _test_globs(inv)
+    helpers = [h for h in _test_helpers(inv, chosen) if not any(path_matches(h, g) for g in tests_dirs)]
     data = {"schema_version": 1, "name": name or inv.root.name,
             "description": f"starter manifest written by `infra-agent init` for {inv.root.name}",
             "python_path": [inv.import_root], "probes": probes,
-            "protected": sorted(set(tests_dirs + ["**/conftest.py", MANIFEST_NAME] + inv.references))}
+            "protected": sorted(set(tests_dirs + ["**/conftest.py", MANIFEST_NAME] + inv.references + helpers))}
     text = yaml.dump(data, Dumper=_NoAliases, sort_keys=False, width=110)
     parse_manifest(text)  # what init writes always validates
     notes = ["# Starter manifest: edit freely, then `infra-agent manifest check`.",

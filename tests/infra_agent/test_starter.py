@@ -363,3 +363,17 @@ def test_a_test_file_that_asserts_nothing_is_no_correctness_probe_and_a_package_
     chosen = [p["pytest"][0] for p in yaml.safe_load(text)["probes"] if "pytest" in p]
     assert chosen == ["tests/test_scale.py"]
     assert "assert nothing (timing loops?), not written as probes: benchmark/test_scale_perf.py" in text
+
+
+def test_the_helpers_a_chosen_test_imports_from_outside_the_package_are_protected(tmp_path):
+    # FlagGems: benchmark/performance_utils.py, which its chosen test imports, was open to any patch
+    root = tmp_path / "r"
+    _write(root, {"mylib/__init__.py": "", "mylib/ops/__init__.py": "", "mylib/ops/scale.py": KERNEL,
+                  "mylib/ops/util.py": "def helper():\n    return 1\n",
+                  "checks/accuracy_utils.py": "def close(a, b):\n    return abs(a - b) < 1e-6\n",
+                  "checks/test_scale.py": "from accuracy_utils import close\nfrom mylib.ops.scale import scale\n"
+                                          "from mylib.ops.util import helper\n\n\n"
+                                          "def test_scale():\n    assert close(scale(3.0, 2.0), 3.0) and helper()\n"})
+    protected = yaml.safe_load(starter_manifest(inspect(root)))["protected"]
+    assert "checks/accuracy_utils.py" in protected and "checks/**/test_*.py" in protected
+    assert not any(p.startswith("mylib") for p in protected)  # the package's own modules stay patchable
