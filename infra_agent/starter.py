@@ -471,6 +471,11 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
     for conftest, needs in sorted(inv.conftest_needs.items()):
         notes.append(f"# not installed here: {', '.join(needs)}, which {conftest} needs: pytest stops before "
                      f"collecting the tests under {pathlib.PurePosixPath(conftest).parent}/ (skipped, not failed)")
+    lacking = {t: inv.test_needs[t] for t in sorted(chosen) if inv.test_needs.get(t)}
+    if lacking:
+        notes.append(f"# not importable here ({len(lacking)} of the {len(chosen)} test probes skip on this machine "
+                     "until installed):")
+        notes += [f"#   {t} imports {', '.join(needs)}" for t, needs in list(lacking.items())[:12]]
     if inv.assert_nothing:
         notes.append("# test files that reach kernels but assert nothing (timing loops?), not written as probes: "
                      + ", ".join(inv.assert_nothing[:8]) + (" ..." if len(inv.assert_nothing) > 8 else ""))

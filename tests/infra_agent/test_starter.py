@@ -377,3 +377,15 @@ def test_the_helpers_a_chosen_test_imports_from_outside_the_package_are_protecte
     protected = yaml.safe_load(starter_manifest(inspect(root)))["protected"]
     assert "checks/accuracy_utils.py" in protected and "checks/**/test_*.py" in protected
     assert not any(p.startswith("mylib") for p in protected)  # the package's own modules stay patchable
+
+
+def test_the_manifest_says_which_chosen_tests_cannot_be_imported_here(tmp_path):
+    # flash-attention: every chosen test needed a package this machine lacks, and the first feedback said only
+    # "PASS (9 of 14 probes skipped)"; the manifest now says so up front
+    root = tmp_path / "r"
+    _write(root, {"mylib/__init__.py": "", "mylib/ops/__init__.py": "", "mylib/ops/scale.py": KERNEL,
+                  "tests/test_scale.py": "import a_model_zoo_not_installed_here\nfrom mylib.ops.scale import scale\n"
+                                         "\n\ndef test_scale():\n    assert scale(3.0, 2.0) == 3.0\n"})
+    text = starter_manifest(inspect(root))
+    assert ("# not importable here (1 of the 1 test probes skip on this machine until installed):\n"
+            "#   tests/test_scale.py imports a_model_zoo_not_installed_here") in text
