@@ -545,3 +545,33 @@ def test_a_parameter_added_to_a_callee_leaves_its_tolerated_calls_tolerated(tmp_
     (tmp_path / "pkg" / "g.py").write_text((tmp_path / "pkg" / "g.py").read_text() + "    gemm(b, a, out)\n")
     _, n, sites = run_check("argument_order", tmp_path, ["pkg"])
     assert len(split_tolerated(sites[:n], keys)[0]) == 1
+
+
+def test_a_copy_of_a_tolerated_site_added_above_it_fails_where_it_was_added(ext, tmp_path):
+    # flash-attention: a third `dx / (1.0 - dropout_p)` added at layer_norm.py:606 failed the check at the
+    # untouched copy at :619 (the manifest tolerates two, by name; the runner fails whichever comes last)
+    import shutil
+
+    from feedback.harness import judge
+    from feedback.sites import tolerated_key
+
+    _, _, (site,) = run_check("kernel_loop_division", ext, ["pkg/kernels.py"])
+    key = tolerated_key(site.file, site.symbol, site.message)
+    manifest = ext / "infra-agent.yaml"
+    manifest.write_text(manifest.read_text().replace(
+        "params: {paths: [pkg/kernels.py]},", f"params: {{paths: [pkg/kernels.py], tolerated: [{key!r}]}},"))
+    base = tmp_path / "base"
+    shutil.copytree(ext, base)
+    above = "    state = tl.zeros"
+    (ext / "pkg" / "kernels.py").write_text(KERNELS.replace(above, "    h = low\n    for j in range(2):\n"
+                                                                   "        h = h / 2.0\n" + above))
+    added = _line(KERNELS, above.strip()) + 2
+    old = _line(KERNELS, "h = h / 2.0") + 3
+    alone = judge(ext, probe_ids=["x.div"], use_cache=False).results[0]
+    assert [f.location.condition for f in alone.findings if f.failed] == [f"line {old}"]  # by count: the last
+    report = judge(ext, probe_ids=["x.div"], baseline_tree=base, use_cache=False)
+    (cand,) = report.results
+    assert cand.status == Status.failed
+    assert [f.location.condition for f in cand.findings if f.failed] == [f"line {added}"], cand.findings
+    (kept,) = [f for f in cand.findings if not f.failed]
+    assert kept.location.condition == f"line {old}" and kept.message.endswith("(tolerated in the manifest)")
