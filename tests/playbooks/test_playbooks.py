@@ -138,6 +138,16 @@ def test_a_loop_division_the_manifest_tolerates_is_no_evidence_and_a_new_one_is(
     assert res.applies and res.for_a_failure and res.evidence == [f"static.kernel_loop_division: {site} [at d.py:7]"]
 
 
+def test_the_argument_order_pattern_reads_a_launch_with_a_comment_after_an_argument(tmp_path):
+    # flash-attention's rotary launch comments its first argument; the pattern had missed it, and the hypothesis
+    # cited the grid lambda above it instead of the launch the fix changes
+    launch = "    rotary_kernel[grid](\n        output,  # data ptr\n        x,\n        cos,\n    )\n"
+    t = tree(tmp_path, {"r.py": "def f(x, cos, output, grid):\n" + launch})
+    msg = "call of `rotary_kernel` (r.py:9) declares (x, output) passes `output` as parameter 1 (x; `output` is ..."
+    res = evaluate(LIB["restore-argument-order"], report(finding("static.argument_order", msg)), t)
+    assert res.applies and ("r.py", 2) in [(m.file, m.line) for m in res.code_matches], res.code_matches
+
+
 def test_a_call_the_manifest_tolerates_is_no_reason_to_reorder_it(tmp_path):
     # flash-attention: every session ended "restore-argument-order applies but its transform changed nothing",
     # its evidence the deliberate call `init` had tolerated
