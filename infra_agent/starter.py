@@ -216,7 +216,10 @@ def inspect(root: str | pathlib.Path) -> Inventory:
                 inv.kernel_files.append(rel)
                 inv.kernels[rel] = names
         if re.search(r"(^|/)(bench|benchmarks?)(/|_|\.py$)", rel) and not _is_test(rel) \
-                and path.name not in ("__init__.py", "conftest.py"):  # a package's marker runs nothing
+                and path.name not in ("__init__.py", "conftest.py") \
+                and (not any(rel.startswith(p + "/") for p in inv.packages) or "__main__" in _read(path)):
+            # a package's marker runs nothing, and a package's module without a main (flash_attn/utils/benchmark.py:
+            # timing helpers) is a library, not a script to run
             inv.bench_files.append(rel)
         if _REFERENCE.search(pathlib.PurePosixPath(rel).name) and not _is_test(rel):
             inv.references.append(rel)

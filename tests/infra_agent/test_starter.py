@@ -374,7 +374,11 @@ def test_the_helpers_a_chosen_test_imports_from_outside_the_package_are_protecte
                   "checks/test_scale.py": "from accuracy_utils import close\nfrom mylib.ops.scale import scale\n"
                                           "from mylib.ops.util import helper\n\n\n"
                                           "def test_scale():\n    assert close(scale(3.0, 2.0), 3.0) and helper()\n"})
-    protected = yaml.safe_load(starter_manifest(inspect(root)))["protected"]
+    _write(root, {"mylib/utils/benchmark.py": "def timeit(f):\n    return f()\n",  # a library's timing helper
+                  "mylib/bench_scale.py": "if __name__ == '__main__':\n    print('{}')\n"})
+    inv = inspect(root)
+    assert inv.bench_files == ["mylib/bench_scale.py"]
+    protected = yaml.safe_load(starter_manifest(inv))["protected"]
     assert "checks/accuracy_utils.py" in protected and "checks/**/test_*.py" in protected
     assert not any(p.startswith("mylib") for p in protected)  # the package's own modules stay patchable
 
