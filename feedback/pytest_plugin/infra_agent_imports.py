@@ -46,12 +46,42 @@ def environment() -> dict:
     return env
 
 
+class _Witness:
+    """A finder first on ``sys.meta_path`` that finds nothing itself: it notes where the path finder would load
+    each module from.  A module whose import raised (a SyntaxError, a failing top-level statement) is gone from
+    ``sys.modules`` by the end of the session, and a cached failure that did not name it would be served again
+    after the file was mended (FlagAttention: a stray bracket in flash.py, then a clean tree that still failed)."""
+
+    attempted: set[str] = set()
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        import importlib.machinery
+
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+        except Exception:  # noqa: BLE001 - a finder that cannot look says nothing; the import goes on as it would
+            return None
+        if spec is not None and spec.origin and spec.has_location:
+            cls.attempted.add(spec.origin)
+        return None
+
+    @classmethod
+    def invalidate_caches(cls) -> None:
+        pass
+
+
+if _Witness not in sys.meta_path:
+    sys.meta_path.insert(0, _Witness)
+
+
 def tree_imports(tree: pathlib.Path) -> dict[str, str]:
-    """The tree's source files among this process's modules, relative path -> sha256 of the file (a
-    Python probe's worker records the same, through this function: ``feedback.worker``)."""
+    """The tree's source files among this process's modules, and those an import tried and failed to load,
+    relative path -> sha256 of the file (a Python probe's worker records the same, through this function:
+    ``feedback.worker``)."""
     out = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
+    paths = [getattr(module, "__file__", None) for module in list(sys.modules.values())]
+    for path in [*paths, *_Witness.attempted]:
         if not path:
             continue
         path = pathlib.Path(path).resolve()

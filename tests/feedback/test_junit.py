@@ -221,6 +221,33 @@ def test_a_result_that_lacked_a_package_is_not_served_from_the_cache_once_the_pa
     assert not now.cached and now.status == Status.passed and now.absent == [], now.reason
 
 
+def test_a_failure_to_import_a_file_is_not_served_from_the_cache_once_the_file_is_mended(tmp_path):
+    # FlagAttention: a module with a stray bracket failed the tests that imported it; the tree mended, the cached
+    # failure was served again, because the module whose import raised was gone from sys.modules and was not
+    # among the files the result depended on (the probe covers only its test file)
+    tree = tmp_path / "tree"
+    files = {"pkg/__init__.py": "", "pkg/flash.py": "def attn(x):\n    return [x]]\n",
+             "pkg/layer.py": "from pkg.flash import attn\n", "tests/test_layer.py": "from pkg.layer import attn\n\n\n"
+                                                                                      "def test_attn():\n"
+                                                                                      "    assert attn(1) == [1]\n"}
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    (tree / "infra-agent.yaml").write_text("schema_version: 1\nname: t\nprobes:\n  - {id: layer, kind: correctness, "
+                                           "pytest: [tests/test_layer.py], covers: {files: [tests/test_layer.py]}}\n")
+    manifest = load_manifest(tree)
+
+    def run():
+        return Runner(tree, manifest, use_cache=True, cache_dir=str(tmp_path / "cache")).run(manifest.probes)[0]
+
+    first = run()
+    assert first.status == Status.failed and "pkg/flash.py" in first.imports, first.imports
+    assert run().cached
+    (tree / "pkg" / "flash.py").write_text("def attn(x):\n    return [x]\n")
+    now = run()
+    assert not now.cached and now.status == Status.passed, now.reason
+
+
 def test_a_conftest_that_imports_a_missing_package_is_the_machines_and_a_candidate_that_adds_it_broke(tmp_path):
     # pytest stops before collecting (exit 4, no JUnit file) when a conftest cannot be imported: that is not the
     # tree's test failing, it is a package this machine lacks, named as such; a candidate whose conftest newly
