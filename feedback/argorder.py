@@ -272,15 +272,59 @@ def _foreign(imports: list[ast.Import | ast.ImportFrom], ours: set[str]) -> set[
 Found = tuple[Misplaced | None, Signature, str, int]
 
 
+def _imported_from(imports: list[ast.Import | ast.ImportFrom], rel: str) -> dict[str, str]:
+    """The names a module binds with ``from X import name`` -> the module X they come from (relative imports
+    resolved against the module's own path)."""
+    here = _dotted(rel).split(".")
+    package = here if rel.endswith("__init__.py") else here[:-1]
+    out: dict[str, str] = {}
+    for node in imports:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            if node.level - 1 > len(package):
+                continue
+            base = package[:len(package) - (node.level - 1)]
+            module = ".".join([*base, node.module] if node.module else base)
+        else:
+            module = node.module or ""
+        for alias in node.names:
+            out[alias.asname or alias.name] = module
+    return out
+
+
+def _within(candidates: list[Signature], module: str) -> list[Signature]:
+    """The definitions in ``module`` or a module under it (a path under a source root read as its import)."""
+    dotted = "." + module
+    return [s for s in candidates if ("." + _dotted(s.file)).endswith(dotted) or dotted + "." in "." + _dotted(s.file)]
+
+
+def _nearest(candidates: list[Signature], rel: str, origin: str | None) -> list[Signature]:
+    """Of the definitions a call's name may mean, the one it means where that is known: the calling module's
+    own, else the one in the module the name was imported from.  Triton repositories define `_fwd_kernel` in
+    many files; another file's `_fwd_kernel`, which the call never reaches, had vetoed a swap at FlagAttention's
+    launch of its own."""
+    if len(candidates) < 2:
+        return candidates
+    if local := [s for s in candidates if s.file == rel]:
+        return local
+    if origin and (found := _within(candidates, origin)):
+        return found
+    return candidates
+
+
 def misplaced(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Found]:
     """(finding or ``None`` for a call that agrees, the definition, call file, call line) for every call that
     passes names of its callee's parameters positionally (``modules``: (tree, path) pairs, or their digests)."""
     digests = _digests(modules)
     index = signatures(digests)
-    ours = {_dotted(d.rel) for d in digests}
+    # a module's name as its file's path spells it and as an import under a source root does (`src/flag_attn/x.py`
+    # is imported as `flag_attn.x`: a kernel imported from it is ours, not a third party's)
+    ours = {".".join(parts[i:]) for d in digests if (parts := _dotted(d.rel).split(".")) for i in range(len(parts))}
     for d in digests:
         rel = d.rel
         foreign = _foreign(d.imports, ours)
+        origins = _imported_from(d.imports, rel)
         for node, caller in d.calls:
             func = node.func.value if isinstance(node.func, ast.Subscript) else node.func  # kernel[grid](...)
             while isinstance(node.func, ast.Subscript) and isinstance(func, ast.Call) and func.args:
@@ -291,6 +335,13 @@ def misplaced(modules: Iterable[tuple[ast.Module, str] | Digest]) -> Iterator[Fo
             if isinstance(root, ast.Name) and root.id in foreign:
                 continue  # torch.randint(...), tl.load(...): not ours, whatever our own names are
             candidates = [s for s in index.get(_last(func), []) if _names_passed(node.args, s)]
+            if isinstance(root, ast.Name) and root is not func and root.id in origins:
+                # `module.function(...)`: a definition of that module; `Class.method(...)` on an imported class: a
+                # method whose class this index does not keep (Liger's `LigerCrossEntropyFunction.apply(...)` is
+                # torch's Function.apply, not some other file's `apply`), so not judged
+                candidates = [] if root.id[:1].isupper() else _within(candidates, origins[root.id])
+            else:
+                candidates = _nearest(candidates, rel, origins.get(func.id) if isinstance(func, ast.Name) else None)
             if not candidates:
                 continue
             judged = [(s, _moves(node.args, s)) for s in candidates]

@@ -348,3 +348,61 @@ def test_a_launch_through_wrap_triton_is_a_launch_of_the_kernel_it_wraps(tmp_pat
     sites = _sites(root)
     assert [s.symbol for s in sites] == ["scaled_mm", "mm"], sites
     assert "passes `b_s` as parameter 3 (a_s" in sites[1].message
+
+
+FLASH = '''
+import triton
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, sm_scale, Out, N):
+    pass
+
+
+def flash(q, k, v, sm_scale, o, n):
+    _fwd_kernel[(1,)](q, {order}, sm_scale, o, n)
+'''
+PIECEWISE = '''
+import triton
+
+
+@triton.jit
+def _fwd_kernel(Q1, K1, Q2, K2, V, sm_scale, Out, N):
+    pass
+
+
+def piecewise(q1, k1, q2, k2, v, sm_scale, o, n):
+    _fwd_kernel[(1,)](q1, k1, q2, k2, v, sm_scale, o, n)
+'''
+
+
+def test_a_launch_is_judged_against_its_own_module_s_kernel_not_another_of_the_same_name(tmp_path):
+    # FlagAttention: flash.py's k/v swap at its `_fwd_kernel` launch was vetoed by piecewise.py's `_fwd_kernel`
+    # (Q1, K1, Q2, K2, V, ...), against which the same call is no swap; the call never reaches that one
+    root = _tree(tmp_path, {"pkg/__init__.py": "", "pkg/flash.py": FLASH.format(order="v, k"),
+                            "pkg/piecewise.py": PIECEWISE})
+    sites = _sites(root)
+    assert sites and {s.file for s in sites} == {"pkg/flash.py"}, sites  # piecewise.py's launch is its own
+    (call,) = [s for s in sites if s.symbol == "flash"]
+    assert "`v` as parameter 2" in call.message
+
+
+def test_a_kernel_imported_under_a_source_root_is_ours(tmp_path):
+    # FlagAttention's src/ layout: `from flag_attn.split_kv import kernel` read as a third party's name, because
+    # the file's path spells src.flag_attn.split_kv, and no launch of an imported kernel was judged
+    root = _tree(tmp_path, {"src/mypkg/__init__.py": "", "src/mypkg/kernels.py": FLASH.format(order="k, v"),
+                            "src/mypkg/split.py": "from mypkg.kernels import _fwd_kernel\n\n\n"
+                                                  "def split(q, k, v, sm_scale, o, n):\n"
+                                                  "    _fwd_kernel[(2,)](q, v, k, sm_scale, o, n)\n",
+                            "src/mypkg/rel.py": "from .kernels import _fwd_kernel\n\n\n"
+                                                "def rel(q, k, v, sm_scale, o, n):\n"
+                                                "    _fwd_kernel[(3,)](q, v, k, sm_scale, o, n)\n",
+                            # Liger: `Function.apply(...)` on an imported autograd class is torch's apply, not
+                            # another module's function of that name
+                            "src/mypkg/other.py": "def apply(weight, target):\n    return weight\n",
+                            "src/mypkg/fn.py": "from mypkg.kernels import CrossEntropyFunction\n\n\n"
+                                               "def loss(weight, target):\n"
+                                               "    return CrossEntropyFunction.apply(target, weight)\n"})
+    sites = _sites(root, paths=("src",))
+    assert sorted(s.file for s in sites if s.file != "src/mypkg/kernels.py") == ["src/mypkg/rel.py",
+                                                                                 "src/mypkg/split.py"], sites
