@@ -400,7 +400,7 @@ def test_a_kernel_imported_under_a_source_root_is_ours(tmp_path):
                             # Liger: `Function.apply(...)` on an imported autograd class is torch's apply, not
                             # another module's function of that name
                             "src/mypkg/other.py": "def apply(weight, target):\n    return weight\n",
-                            "src/mypkg/fn.py": "from mypkg.kernels import CrossEntropyFunction\n\n\n"
+                            "src/mypkg/fn.py": "from mypkg import CrossEntropyFunction\n\n\n"
                                                "def loss(weight, target):\n"
                                                "    return CrossEntropyFunction.apply(target, weight)\n"})
     sites = _sites(root, paths=("src",))
