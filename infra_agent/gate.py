@@ -54,7 +54,8 @@ BUILTIN: tuple[Rule, ...] = (
     Rule("num.precision", "numerics",
          r"input_precision|allow_tf32|set_float32_matmul_precision|\btf32|\bieee\b|allow_fp16_reduced", CODE),
     Rule("num.eps-tolerance", "numerics", r"\b(eps|epsilon|atol|rtol|tol|tolerance)\b\s*[=:]|\b\d*\.?\d+e-\d+", CODE),
-    Rule("num.scale-quant", "numerics", r"\bscale[sd]?\b|quant|\bint8\b|\bfp8\b|e4m3|e5m2|amax|absmax", CODE),
+    Rule("num.scale-quant", "numerics",  # sm_scale, qk_scale, softmax_scale: the word ends the name
+         r"\b(\w+_)?(re)?scal(e|es|ed|ing)\b|quant|\bint8\b|\bfp8\b|e4m3|e5m2|amax|absmax", CODE),
     Rule("num.clamp-range", "numerics",
          r"\bclamp(_min|_max|_)?\(|\bclip\(|tl\.(minimum|maximum|clamp)\(|\bnan_to_num\(|\bfmin\(|\bfmax\(", CODE),
     Rule("num.special-values", "numerics",  # masking sentinels and non-finite handling: -inf, NaN, finfo().min, -1e30

@@ -70,6 +70,9 @@ TRUE_POSITIVES = [
     ("numerics", "attn.py", "s = s.masked_fill(~m, 0)", "s = s.masked_fill(~m, torch.finfo(s.dtype).min)"),
     ("numerics", "sample.py", "p = probs", "p = torch.where(torch.isnan(probs), 0, probs)"),
     ("numerics", "k.cuh", "float m = -1e30f;", "float m = -INFINITY;"),
+    # a softmax scale named as attention code names it (FlagAttention's host code)
+    ("numerics", "flash.py", "sm_scale = 1. / math.sqrt(D)", "sm_scale = 1. / D"),
+    ("numerics", "attn.py", "o = attn(q, k, v)", "o = attn(q, k, v, softmax_scale=0.1)"),
 ]
 FALSE_POSITIVES = [
     ("k.py", "# the sum of parts", "# the total of parts"),
