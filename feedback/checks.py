@@ -23,6 +23,10 @@ PyDLL as Loader`` is ``ctypes.PyDLL``.
   (``torch.backends.cuda.matmul.allow_tf32 = True``, ``torch.set_float32_matmul_precision("high")``,
   ``fp32_precision = "tf32"``): a torch-level state merge or reference then loses the precision a kernel's
   ``input_precision`` would have kept.  Metric ``tf32_switches``.
+* ``tf32_dot``: an fp32 ``tl.dot`` whose precision is stated as tf32 (``input_precision="tf32"``,
+  ``allow_tf32=True``): the same ~1e-3 relative error per product as the default, chosen in writing.
+  ``init`` tolerates those a tree has (a choice made before), so a new one, or an ``ieee`` dot turned
+  tf32, fails.  Metric ``tf32_dots``.
 * ``kernel_loop_division``: a division (``/``, ``tl.fdiv``, ``tl.div_rn``) inside a loop of a
   ``@triton.jit`` kernel: a reciprocal hoisted out of the loop, or an ``rsqrt`` multiply, does the
   same work with a cheaper instruction per element.  Metric ``loop_divisions``.
@@ -209,11 +213,23 @@ def _not_fp32_dot(node: ast.Call, narrow: set[str], aliases: dict[str, str]) -> 
     return any(_narrow_expr(a, narrow, aliases) for a in node.args[:2])
 
 
+def _stated_tf32(call: ast.Call) -> bool:
+    """Whether a dot states tf32 itself: ``input_precision="tf32"`` or ``allow_tf32=True`` written as constants."""
+    for k in call.keywords:
+        if isinstance(k.value, ast.Constant) and (k.arg == "input_precision" and str(k.value.value).lower() == "tf32"
+                                                   or k.arg == "allow_tf32" and k.value.value is True):
+            return True
+    return False
+
+
 def implicit_dots(fn: ast.FunctionDef, every: bool = False,
-                  aliases: dict[str, str] | None = None, maybe_fp32: bool = False) -> Iterator[ast.Call]:
+                  aliases: dict[str, str] | None = None, maybe_fp32: bool = False,
+                  stated_tf32: bool = False) -> Iterator[ast.Call]:
     """The ``tl.dot`` calls of kernel ``fn`` with an fp32 operand and no stated precision (``every``: any
     dot without one; ``maybe_fp32``: any without one that is not provably a product of another dtype,
-    :func:`_not_fp32_dot`; ``aliases``: its module's imports, :func:`import_aliases`, however it names ``tl``).
+    :func:`_not_fp32_dot`; ``stated_tf32``: instead the dots that state tf32 themselves and are not provably
+    of another dtype; ``aliases``: its
+    module's imports, :func:`import_aliases`, however it names ``tl``).
     Which local names hold fp32 is followed through the kernel in source order: each dot is judged by the
     assignments before it (a name loaded as bf16 after an fp32 use is bf16 again)."""
     aliases = aliases or {}
@@ -227,7 +243,10 @@ def implicit_dots(fn: ast.FunctionDef, every: bool = False,
     narrow: set[str] = set()
     for _, node in sorted(events, key=lambda e: e[0]):
         if isinstance(node, ast.Call):
-            if not {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"} and \
+            if stated_tf32:  # tf32 is only ever a precision of fp32 operands: any dot not provably narrower
+                if _stated_tf32(node) and not _not_fp32_dot(node, narrow, aliases):
+                    yield node
+            elif not {k.arg for k in node.keywords} & {"input_precision", "allow_tf32"} and \
                     (every or any(_fp32_expr(a, fp32, aliases) for a in node.args[:2])
                      or maybe_fp32 and not _not_fp32_dot(node, narrow, aliases)):
                 yield node
@@ -255,6 +274,15 @@ def dot_precision(tree: ast.AST, rel: str, every: bool = False) -> Iterator[Site
     for fn in kernels(tree, aliases):
         for node in implicit_dots(fn, every, aliases):
             yield dot_site(rel, fn, node)
+
+
+def tf32_dot(tree: ast.AST, rel: str) -> Iterator[Site]:
+    """fp32 ``tl.dot`` calls that state tf32 themselves (:func:`implicit_dots` with ``stated_tf32``)."""
+    aliases = import_aliases(tree)
+    for fn in kernels(tree, aliases):
+        for node in implicit_dots(fn, aliases=aliases, stated_tf32=True):
+            yield Site(rel, node.lineno, fn.name, f"{ast.unparse(node)[:80]}: fp32 operands on tf32 tensor cores, as "
+                       "stated (~1e-3 relative error per product; tf32x3 or ieee keep fp32's)")
 
 
 def dot_site(rel: str, fn: ast.FunctionDef, node: ast.Call) -> Site:
@@ -365,6 +393,7 @@ CHECKS: dict[str, tuple[str, Callable[..., Iterator[Site]]]] = {
     "kernel_loop_division": ("loop_divisions", kernel_loop_division),
     "argument_order": ("misplaced_arguments", argument_order),
     "tf32_switch": ("tf32_switches", tf32_switch),
+    "tf32_dot": ("tf32_dots", tf32_dot),
 }
 #: the checks that read every file together: [digest of each (tree, relative path), ...] -> sites
 WHOLE_TREE = {"argument_order"}
@@ -419,7 +448,8 @@ class DigestStore:
 #: matches a name whose last part the source spells out (in the use itself, or in the import that aliases it)
 NEEDLES = {"dot_precision": ("dot",), "kernel_loop_division": ("jit", "autotune", "heuristics"),
            "gil_native": ("PyDLL", "pydll"),
-           "tf32_switch": ("allow_tf32", "fp32_precision", "float32_matmul_precision")}
+           "tf32_switch": ("allow_tf32", "fp32_precision", "float32_matmul_precision"),
+           "tf32_dot": ("tf32", "TF32")}
 
 
 def python_files(root: pathlib.Path, paths: list[str] | None) -> list[pathlib.Path]:

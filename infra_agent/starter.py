@@ -433,6 +433,9 @@ def starter_manifest(inv: Inventory, name: str | None = None, max_tests: int = 1
         probes.append({"id": "static.dot_precision", "kind": "static", "check": "dot_precision",
                        "description": "every tl.dot in the kernels states its input_precision",
                        "covers": covers, "budget_s": 60, **_today(inv, "dot_precision", kernel_dirs, sites_too=False)})
+        probes.append({"id": "static.tf32_dot", "kind": "static", "check": "tf32_dot",
+                       "description": "no new fp32 tl.dot stated as tf32", "covers": covers, "budget_s": 60,
+                       **_today(inv, "tf32_dot", kernel_dirs)})
         probes.append({"id": "static.kernel_loop_division", "kind": "static", "check": "kernel_loop_division",
                        "description": "no new division inside a kernel's loop", "covers": covers, "budget_s": 60,
                        **_today(inv, "kernel_loop_division", kernel_dirs)})

@@ -127,7 +127,8 @@ def test_each_check_finds_its_sites_and_binds_them(ext):
     assert run_check("dot_precision", ext, ["pkg"], every=True)[1] == 2  # every dot without a precision
     with pytest.raises(ValueError, match="leaves the tree"):
         run_check("dot_precision", ext, ["../elsewhere"])
-    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division", "argument_order", "tf32_switch"}
+    assert set(CHECKS) == {"dot_precision", "gil_native", "kernel_loop_division", "argument_order", "tf32_switch",
+                           "tf32_dot"}
 
 
 def test_checks_and_pytest_probes_through_the_runner(ext):
@@ -575,3 +576,31 @@ def test_a_copy_of_a_tolerated_site_added_above_it_fails_where_it_was_added(ext,
     assert [f.location.condition for f in cand.findings if f.failed] == [f"line {added}"], cand.findings
     (kept,) = [f for f in cand.findings if not f.failed]
     assert kept.location.condition == f"line {old}" and kept.message.endswith("(tolerated in the manifest)")
+
+
+def test_tf32_dot_finds_a_dot_that_states_tf32_and_not_one_that_keeps_fp32_or_is_narrower():
+    # FlagGems (`allow_tf32=False` turned True in its matmul) and FlagAttention (`input_precision="tf32"` on an
+    # fp32 dot) passed every static check: a dot that states its precision was taken as a dot that keeps fp32
+    import ast
+
+    from feedback.checks import tf32_dot
+
+    src = textwrap.dedent('''
+        import triton
+        import triton.language as tl
+
+
+        @triton.jit
+        def mm(a_ptr, b_ptr, N: tl.constexpr):
+            a = tl.load(a_ptr)
+            b = tl.load(b_ptr)
+            x = tl.dot(a, b, allow_tf32=True)
+            y = tl.dot(a, b, allow_tf32=False)
+            z = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+            w = tl.dot(a, b, input_precision="tf32x3")
+            v = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), input_precision="tf32")
+    ''')
+    sites = list(tf32_dot(ast.parse(src), "k.py"))
+    lines = src.splitlines()
+    assert [lines[s.line - 1].split(" = ")[0].strip() for s in sites] == ["x", "z"], sites
+    assert all(s.symbol == "mm" and "tf32 tensor cores, as stated" in s.message for s in sites)

@@ -393,3 +393,13 @@ def test_the_manifest_says_which_chosen_tests_cannot_be_imported_here(tmp_path):
     text = starter_manifest(inspect(root))
     assert ("# not importable here (1 of the 1 test probes skip on this machine until installed):\n"
             "#   tests/test_scale.py imports a_model_zoo_not_installed_here") in text
+
+
+def test_init_tolerates_the_dots_a_tree_states_as_tf32_today(tmp_path):
+    root = tmp_path / "r"
+    mm = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef mm(a, b):\n"
+          "    return tl.dot(tl.load(a), tl.load(b), allow_tf32=True)\n")
+    _write(root, {"mylib/__init__.py": "", "mylib/mm.py": mm})
+    probes = {p["id"]: p for p in yaml.safe_load(starter_manifest(inspect(root)))["probes"]}
+    (kept,) = probes["static.tf32_dot"]["params"]["tolerated"]
+    assert kept.startswith("mylib/mm.py: mm: tl.dot(tl.load(a), tl.load(b), allow_tf32=True): fp32 operands on tf32")
