@@ -14,7 +14,8 @@ import sys
 
 #: the ``feedback`` options that decide a report, as the command defines them; ``--jobs`` only sets how
 #: many probes run at once.  Any other option (``--no-cache``, ``--trace-dir``, ``--executor ray``,
-#: ``--help``, a typo) leaves the memo alone here: the full command line judges it.
+#: ``--fail-on``, whose exit code needs the verdict, ``--help``, a typo) leaves the memo alone here: the full
+#: command line judges it.
 _VALUE = {"--target": "target", "--probe": "probe", "--changed-from": "changed_from", "--diff": "diff",
           "--baseline": "baseline", "--manifest": "manifest", "--jobs": "jobs", "-j": "jobs", "--executor": "executor"}
 _FLAG = {"--all": "run_all", "--json": "as_json"}

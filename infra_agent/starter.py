@@ -78,13 +78,27 @@ def _kernel_names(tree: ast.Module) -> list[str]:
 
 
 def _imports(tree: ast.Module) -> set[str]:
+    """The dotted names a test imports: ``from a.b import c`` names ``a.b`` and ``a.b.c``; ``import a`` names
+    what the file uses of it (``a.paged_attention(...)``: ``a.paged_attention``, as ``from a import
+    paged_attention`` would), or ``a`` itself where it uses nothing by attribute."""
     mods: set[str] = set()
+    bound: dict[str, str] = {}  # the name `import a.b as x` / `import a` binds -> the module it stands for
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            mods.update(a.name for a in node.names)
+            for a in node.names:
+                mods.add(a.name)
+                bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             mods.add(node.module)
             mods.update(f"{node.module}.{a.name}" for a in node.names)
+    if bound:
+        used: dict[str, set[str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                used.setdefault(bound[node.value.id], set()).add(f"{bound[node.value.id]}.{node.attr}")
+        for module, names in used.items():
+            mods.discard(module)
+            mods |= names
     return mods
 
 
@@ -92,9 +106,11 @@ _FROM = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|
 _IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w. \t,]+)", re.M)
 
 
-def _source_imports(source: str, module: str, is_package: bool) -> set[str]:
+def _source_imports(source: str, module: str, is_package: bool, renamed: dict[str, str] | None = None) -> set[str]:
     """The dotted names ``source`` imports (``from a.b import c`` names ``a.b`` and ``a.b.c``; relative imports
-    resolved against ``module``), read with two regular expressions: no file is parsed for its imports."""
+    resolved against ``module``), read with two regular expressions: no file is parsed for its imports.
+    ``renamed`` is filled with the names it binds under another name (``from .flash import attention as
+    flash_attention``: ``flash_attention`` -> ``pkg.flash.attention``)."""
     out: set[str] = set()
     if "import" not in source:
         return out
@@ -114,6 +130,9 @@ def _source_imports(source: str, module: str, is_package: bool) -> set[str]:
         for item in m.group(3).strip("()").split(","):
             if (word := item.split()[0] if item.split() else "") and word.isidentifier():
                 out.add(f"{name}.{word}")
+                parts = item.split()
+                if renamed is not None and len(parts) == 3 and parts[1] == "as" and parts[2].isidentifier():
+                    renamed[parts[2]] = f"{name}.{word}"
     return out
 
 
@@ -201,6 +220,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
     inv.import_root, declared = _import_root(root)
     inv.packages = [d.relative_to(root).as_posix() for d in _package_dirs(root / inv.import_root, declared)]
     graph: dict[str, set[str]] = {}  # package module -> the names it imports
+    renames: dict[str, dict[str, str]] = {}  # package module -> a name it binds by `import x as y` -> x's full name
     for path in _files(root):
         rel = path.relative_to(root).as_posix()
         if _is_test(rel):
@@ -210,7 +230,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
         elif any(rel.startswith(p + "/") for p in inv.packages):
             source = _read(path)
             name = _module(rel, inv.import_root)
-            graph[name] = _source_imports(source, name, path.name == "__init__.py")
+            graph[name] = _source_imports(source, name, path.name == "__init__.py", renames.setdefault(name, {}))
             if any(n in source for n in NEEDLES["kernel_loop_division"]) and (tree := _parse(source, rel)) \
                     and (names := _kernel_names(tree)):
                 inv.kernel_files.append(rel)
@@ -225,7 +245,7 @@ def inspect(root: str | pathlib.Path) -> Inventory:
             inv.references.append(rel)
     modules = {_module(f, inv.import_root): f for f in inv.kernel_files}
     broad = max(4, len(modules) // 4)  # `import pkg` names every kernel: it says nothing about what is tested
-    reach = _Reach(graph, modules, broad)
+    reach = _Reach(graph, modules, broad, renames)
     # an import of a module that reaches a kernel module, or of its package, spells the last part of that name
     words = {part.rpartition(".")[2] for mod in reach.relevant() for part in (mod, mod.rpartition(".")[0]) if part}
     for test in inv.test_files if words else []:
@@ -288,8 +308,9 @@ def _unconditional_needs(root: pathlib.Path, import_root: str, path: pathlib.Pat
 
 def _test_helpers(inv: Inventory, tests: list[str]) -> list[str]:
     """The modules outside the packages that ``tests`` import (a ``benchmark/performance_utils.py`` beside a test,
-    a ``utils.py`` at the root): they judge with the tests, so a patch may not change them.  Those under a
-    folder already protected whole, and the package's own modules, are left out."""
+    a ``utils.py`` at the root), and those of a package's ``testing`` subpackage: they judge with the tests, so
+    a patch may not change them.  Those under a folder already protected whole, and the package's other
+    modules, are left out."""
     packages = tuple(f"{p}/" for p in inv.packages)
     out: set[str] = set()
     for test in tests:
@@ -299,11 +320,18 @@ def _test_helpers(inv: Inventory, tests: list[str]) -> list[str]:
         here = pathlib.PurePosixPath(test).parent
         for name in _imports(tree):
             parts = name.split(".")
-            for base in {here, pathlib.PurePosixPath(".")}:  # pytest puts the test's folder (rootdir) on the path
+            # pytest puts the test's folder (rootdir) on the path; a package's own `testing` subpackage (the
+            # references and checks its tests compare with: FlagAttention's flag_attn.testing) judges too
+            bases = {here, pathlib.PurePosixPath("."), pathlib.PurePosixPath(inv.import_root)}
+            for base in bases:
                 for rel in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
                     path = rel.as_posix().removeprefix("./")
-                    if path != test and not path.startswith(packages) and (inv.root / path).is_file():
-                        out.add(path)
+                    where = pathlib.PurePosixPath(path)
+                    if path != test and (inv.root / path).is_file() and (
+                            not path.startswith(packages) or "testing" in where.parts[:-1]):
+                        # a package's `testing` package whole: what its __init__ gathers judges too
+                        out.add(f"{where.parent}/**" if where.name == "__init__.py" and where.parent.name == "testing"
+                                else path)
     return sorted(out)
 
 
@@ -343,8 +371,10 @@ class _Reach:
 
     HOPS = 3
 
-    def __init__(self, graph: dict[str, set[str]], kernel_modules: dict[str, str], broad: int) -> None:
+    def __init__(self, graph: dict[str, set[str]], kernel_modules: dict[str, str], broad: int,
+                 renames: dict[str, dict[str, str]] | None = None) -> None:
         self.graph, self.kernel_modules, self.broad = graph, kernel_modules, broad
+        self.renames = renames or {}
         self._memo: dict[tuple[str, int], set[str]] = {}
 
     def _direct(self, name: str) -> set[str]:
@@ -370,8 +400,8 @@ class _Reach:
     def _origins(self, name: str) -> set[str]:
         """Where ``name`` is defined: itself, or, for a name a package re-exports, the module its ``__init__``
         imports it from (``from liger_kernel.ops import LigerRMSNormFunction`` is ``...ops.rms_norm``'s, not
-        the whole package's), followed through a few packages that re-export a re-export.  A name bound under
-        another name (``import x as y``) is not followed."""
+        the whole package's), followed through a few packages that re-export a re-export, and under another name
+        (FlagAttention's ``from flag_attn.flash import attention as flash_attention``)."""
         out: set[str] = set()
         frontier = {name}
         for _ in range(self.HOPS):
@@ -379,7 +409,8 @@ class _Reach:
             for n in frontier:
                 parent, _, attr = n.rpartition(".")
                 via = set() if n in self.graph or parent not in self.graph else \
-                    {i for i in self.graph[parent] if i.rpartition(".")[2] == attr and i != n}
+                    {i for i in self.graph[parent] if i.rpartition(".")[2] == attr and i != n} | \
+                    ({self.renames[parent][attr]} if attr in self.renames.get(parent, {}) else set())
                 (nxt.update(via) if via else out.add(n))
             frontier = nxt - out
             if not frontier:

@@ -243,7 +243,8 @@ def test_the_fast_parser_knows_exactly_the_feedback_options():
     command = typer.main.get_command(app).commands["feedback"]
     options = {o for p in command.params for o in p.opts}
     assert set(_VALUE) | set(_FLAG) <= options
-    assert options - set(_VALUE) - set(_FLAG) == {"--no-cache", "--trace-dir", "--address"}
+    # --fail-on new's exit code is the verdict's: judged by the full command line, which serves the memo too
+    assert options - set(_VALUE) - set(_FLAG) == {"--no-cache", "--trace-dir", "--address", "--fail-on"}
     assert parse_feedback(["feedback", "--target", "t", "--json", "--probe", "a", "--probe=b", "-j", "3"]) == \
         {"target": "t", "as_json": True, "probe": ["a", "b"], "jobs": "3"}
     for argv in (["run"], ["feedback", "--no-cache"], ["feedback", "--help"], ["feedback", "-j", "0"],

@@ -179,8 +179,9 @@ def test_a_test_of_a_wrapper_covers_the_kernel_files_the_wrapper_imports(tmp_pat
     kernel = KERNEL.replace("scale_kernel", "{name}_kernel")
     files = {"pkg/__init__.py": "", "pkg/ops/__init__.py": "",
              **{f"pkg/ops/k{i}.py": kernel.format(name=f"k{i}") for i in range(8)},
-             "pkg/ops/combined.py": "import torch\nfrom .k0 import scale as fwd\n"
-                                    "from pkg.ops.k1 import (\n    scale as bwd,  # the backward\n)\n",
+             "pkg/ops/combined.py": "import torch\nfrom .k0 import scale as _k0\n"
+                                    "from pkg.ops.k1 import (\n    scale as bwd,  # the backward\n)\n\n\n"
+                                    "def fwd(x):\n    return _k0(x)\n",
              "pkg/layer.py": "from pkg.ops import combined\n" + "".join(f"from pkg.ops.k{i} import scale\n"
                                                                         for i in range(2, 8)),
              "tests/test_combined.py": "from pkg.ops.combined import fwd\n\n\ndef test_fwd():\n    assert fwd\n",
@@ -212,6 +213,10 @@ def test_imports_are_read_from_the_text_with_relative_names_resolved():
         "pkg.sub.deep.er.z"}
     # in a package's __init__, `.` is the package itself
     assert _source_imports("from .k import f\n", "pkg.ops", is_package=True) == {"pkg.ops.k", "pkg.ops.k.f"}
+    # a name re-exported under another name (FlagAttention: `attention as flash_attention`) is followed
+    renamed: dict[str, str] = {}
+    _source_imports("from .flash import attention as flash_attention, x\n", "fa", True, renamed)
+    assert renamed == {"flash_attention": "fa.flash.attention"}
 
 
 def test_a_name_the_package_re_exports_reaches_its_own_kernel_and_the_main_suite_wins_ties(tmp_path):
@@ -381,6 +386,14 @@ def test_the_helpers_a_chosen_test_imports_from_outside_the_package_are_protecte
     protected = yaml.safe_load(starter_manifest(inv))["protected"]
     assert "checks/accuracy_utils.py" in protected and "checks/**/test_*.py" in protected
     assert not any(p.startswith("mylib") for p in protected)  # the package's own modules stay patchable
+    # FlagAttention keeps its references in the package, as flag_attn.testing: that subpackage judges too
+    _write(root, {"mylib/testing/__init__.py": "from mylib.testing.ref import scale_ref  # noqa: F401\n",
+                  "mylib/testing/ref.py": "def scale_ref(x, s):\n    return x\n",
+                  "checks/test_ref.py": "import mylib.testing\nfrom mylib.ops.scale import scale\n\n\n"
+                                        "def test_ref():\n    assert scale(3.0, 2.0) == mylib.testing.scale_ref(3, 2)"
+                                        "\n"})
+    protected = yaml.safe_load(starter_manifest(inspect(root)))["protected"]
+    assert "mylib/testing/**" in protected and "mylib/ops/util.py" not in protected
 
 
 def test_the_manifest_says_which_chosen_tests_cannot_be_imported_here(tmp_path):
@@ -403,3 +416,15 @@ def test_init_tolerates_the_dots_a_tree_states_as_tf32_today(tmp_path):
     probes = {p["id"]: p for p in yaml.safe_load(starter_manifest(inspect(root)))["probes"]}
     (kept,) = probes["static.tf32_dot"]["params"]["tolerated"]
     assert kept.startswith("mylib/mm.py: mm: tl.dot(tl.load(a), tl.load(b), allow_tf32=True): fp32 operands on tf32")
+
+
+def test_a_test_that_uses_a_package_by_attribute_reaches_what_it_uses(tmp_path):
+    # FlagAttention: `import flag_attn` then `flag_attn.paged_attention(...)`, a name its __init__ re-exports
+    # under another name; the test was read as one of the whole package, and the paged kernel's own test left out
+    kernel = KERNEL.replace("scale_kernel", "{name}_kernel")
+    _write(tmp_path, {"fa/__init__.py": "from fa.flash import scale as flash_attention\n"
+                                        "from fa.paged import scale as paged_attention\n",
+                      **{f"fa/{n}.py": kernel.format(name=n) for n in ("flash", "paged", "piecewise", "total")},
+                      "tests/test_paged.py": "import fa\n\n\ndef test_paged():\n"
+                                             "    assert fa.paged_attention(2.0, 2.0) == 2.0\n"})
+    assert inspect(tmp_path).kernel_tests == {"tests/test_paged.py": ["fa/paged.py"]}
