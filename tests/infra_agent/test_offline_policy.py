@@ -233,28 +233,25 @@ def backward_time(M, N, K):
 '''
 
 
-def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
-    """A fresh repository with a Triton kernel, through the real CLI: `init` writes the manifest; a later commit
-    swaps two pointers at the kernel's launch; the offline session restores the order, the kernel's own test
-    passes on the candidate, and the gate holds the launch change for a person (numerics).  The calls that the
-    tree made in another order on purpose when `init` ran are tolerated, and the fix leaves them alone."""
+def _init_change_and_run(tmp_path, files: dict[str, str], rel: str, changed: str):
+    """A fresh repository of ``files`` through the real CLI: `init` writes the manifest, a first commit holds the
+    tree, a second changes ``rel`` to ``changed``, and an offline session runs on it.  (the repository, the
+    manifest `init` wrote, the session's JSON summary)."""
     import json
     import subprocess
     import sys
 
     root = tmp_path / "mine"
-    files = {"mykern/__init__.py": "", "mykern/axpy.py": SCALE, "tests/test_axpy.py": SCALE_TEST,
-             "mykern/roofline.py": ROOFLINE}
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+    for path, text in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
     cli = [sys.executable, "-m", "infra_agent"]
     subprocess.run([*cli, "init", str(root)], check=True, capture_output=True, timeout=120)
+    written = yaml.safe_load((root / "infra-agent.yaml").read_text())
     repo = git.Repo.init(root, initial_branch="main")
     repo.git.add(A=True)
     repo.index.commit("base", author=ACTOR, committer=ACTOR)
-    swapped = SCALE.replace("](x, y, out,", "](y, x, out,")
-    (root / "mykern" / "axpy.py").write_text(swapped)
+    (root / rel).write_text(changed)
     repo.git.add(A=True)
     repo.index.commit("a change", author=ACTOR, committer=ACTOR)
     env = {k: v for k, v in __import__("os").environ.items() if k != "OPENAI_API_KEY"}
@@ -262,7 +259,18 @@ def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
     run = subprocess.run([*cli, "run", "--target", str(root), "--backend", "offline", "--json"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads(run.stdout)
+    return repo, written, json.loads(run.stdout)
+
+
+def test_a_repository_of_ones_own_from_init_to_a_held_fix(tmp_path):
+    """A fresh repository with a Triton kernel, through the real CLI: `init` writes the manifest; a later commit
+    swaps two pointers at the kernel's launch; the offline session restores the order, the kernel's own test
+    passes on the candidate, and the gate holds the launch change for a person (numerics).  The calls that the
+    tree made in another order on purpose when `init` ran are tolerated, and the fix leaves them alone."""
+    files = {"mykern/__init__.py": "", "mykern/axpy.py": SCALE, "tests/test_axpy.py": SCALE_TEST,
+             "mykern/roofline.py": ROOFLINE}
+    swapped = SCALE.replace("](x, y, out,", "](y, x, out,")
+    repo, _, summary = _init_change_and_run(tmp_path, files, "mykern/axpy.py", swapped)
     assert set(summary["failing_before"]) >= {"static.argument_order", "tests.axpy"}
     (attempt,) = summary["attempts"]
     assert (attempt["playbook"], attempt["verdict"], attempt["decision"]) == ("restore-argument-order", "better",
@@ -331,34 +339,12 @@ def test_a_new_division_in_a_kernels_loop_is_answered_in_its_own_file(tmp_path):
     check at the right line, and the offline session found no playbook for it.  Now the reciprocal playbook
     answers the check's (untolerated) finding, in the file it names: the tolerated division of another
     kernel file is left as it was."""
-    import json
-    import subprocess
-    import sys
-
-    root = tmp_path / "mine"
     files = {"mykern/__init__.py": "", "mykern/rms.py": RMS, "tests/test_rms.py": RMS_TEST,
              "mykern/scaled.py": SCALED}
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    cli = [sys.executable, "-m", "infra_agent"]
-    subprocess.run([*cli, "init", str(root)], check=True, capture_output=True, timeout=120)
-    written = yaml.safe_load((root / "infra-agent.yaml").read_text())
+    divided = RMS.replace("v * tl.rsqrt(var + eps)", "v / tl.sqrt(var + eps)")
+    repo, written, summary = _init_change_and_run(tmp_path, files, "mykern/rms.py", divided)
     (loops,) = [p for p in written["probes"] if p["id"] == "static.kernel_loop_division"]
     assert [t.split(": ")[:2] for t in loops["params"]["tolerated"]] == [["mykern/scaled.py", "_scaled_kernel"]]
-    repo = git.Repo.init(root, initial_branch="main")
-    repo.git.add(A=True)
-    repo.index.commit("base", author=ACTOR, committer=ACTOR)
-    divided = RMS.replace("v * tl.rsqrt(var + eps)", "v / tl.sqrt(var + eps)")
-    (root / "mykern" / "rms.py").write_text(divided)
-    repo.git.add(A=True)
-    repo.index.commit("a change", author=ACTOR, committer=ACTOR)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "OPENAI_API_KEY"}
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
-    run = subprocess.run([*cli, "run", "--target", str(root), "--backend", "offline", "--json"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads(run.stdout)
     assert "static.kernel_loop_division" in summary["failing_before"], summary["failing_before"]
     first = summary["attempts"][0]
     assert (first["playbook"], first["verdict"], first["decision"]) == ("reciprocal-rsqrt", "better", "held"), first
