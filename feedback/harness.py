@@ -158,11 +158,35 @@ def judge(
         acceptance=evaluate_acceptance(manifest, results),
         baseline_acceptance=evaluate_acceptance(manifest, base_results) if base_runner is not None else [],
         hashes=judges_before, judges_changed=judges_changed, stopped_at=stopped,
+        unexercised=unexercised(manifest, changed, results) if changed is not None and not probe_ids
+        and stopped is None else {},
         duration_s=time.perf_counter() - t0,
     )
     if base_runner is not None:
         report.verdict = verdict(report)
     return report
+
+
+def unexercised(manifest: Manifest, changed: list[str], results: list[ProbeResult]) -> dict[str, str]:
+    """The changed Python files (not tests) whose code no probe ran on this machine: only static checks cover
+    them, or every probe that would run them skipped (no GPU, a package missing).  A verdict of PASS says
+    nothing about them, and the report says so (FlagAttention: a causal-mask change in a kernel every test of
+    which needs CUDA read "PASS, 1 of 6 probes skipped")."""
+    from feedback.junit import is_test_file
+
+    status = {r.probe: r.status for r in results}
+    out: dict[str, str] = {}
+    for path in changed:
+        if not path.endswith(".py") or is_test_file(path):
+            continue
+        runners = [p for p in manifest.probes if p.kind != "static" and p.covers.matches(path)]
+        if not [p for p in manifest.probes if p.covers.matches(path)]:
+            continue  # no probe claims it at all: the selection line says 0 probes
+        if not runners:
+            out[path] = "only static checks cover it: no probe runs its code"
+        elif all(status.get(p.id) == Status.skipped for p in runners):
+            out[path] = f"every probe that runs it skipped here ({', '.join(p.id for p in runners[:3])})"
+    return out
 
 
 def _beside(cascade: list[tuple[str, list[ProbeSpec]]], i: int, runner: Runner, base_runner: Runner | None) -> bool:

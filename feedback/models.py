@@ -255,6 +255,8 @@ class FeedbackReport(_Model):
     # the same, or while the candidate's probes ran; any entry makes the verdict "incorrect"
     judges_changed: list[str] = Field(default_factory=list)
     stopped_at: str | None = None  # the cascade stage that failed, when the cascade stopped early
+    # changed source files whose code no probe ran here (``feedback.harness.unexercised``): file -> why
+    unexercised: dict[str, str] = Field(default_factory=dict)
     duration_s: float = 0.0
 
     @property

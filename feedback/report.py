@@ -173,6 +173,8 @@ def render(report: FeedbackReport, console: Console) -> None:
         style = {"better": "green", "unchanged": "", "inconclusive": "yellow"}.get(v.name, "red")
         name = f"[{style}]{v.name}[/]" if style else v.name
         console.print(f"candidate against the baseline: {name}: {escape(v.reason)}", highlight=False, soft_wrap=True)
+    for path, why in list(report.unexercised.items())[:8]:
+        console.print(f"[yellow]not exercised here:[/] {escape(path)}: {escape(why)}", highlight=False)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
     skipped = sum(r.status == Status.skipped for r in report.results)
     note = f" ({skipped} of {len(report.results)} probes skipped: they judged nothing here)" if skipped else ""

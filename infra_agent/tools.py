@@ -106,6 +106,7 @@ def render_report(report: FeedbackReport, limit: int = 40) -> str:
               for a in report.acceptance]
     if report.stopped_at:
         lines.append(f"(cascade stopped after stage {report.stopped_at})")
+    lines += [f"not exercised here: {path}: {why}" for path, why in list(report.unexercised.items())[:6]]
     return "\n".join(lines[:limit])
 
 

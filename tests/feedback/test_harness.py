@@ -276,3 +276,34 @@ def test_a_static_failure_the_baseline_shares_does_not_stop_the_cascade_a_new_on
     report = judge(cand, changed=["st/code.py"], baseline_tree=passing_base, use_cache=False)
     assert report.stopped_at == "static" and [r.probe for r in report.results] == ["s0"]
     assert report.verdict.name == "incorrect" and report.verdict.broke, report.verdict
+
+
+def test_a_changed_file_whose_code_no_probe_ran_here_is_named(toy):
+    # FlagAttention: a causal-mask change in a kernel every test of which needs CUDA read "PASS (1 of 6 probes
+    # skipped)"; a kernel file covered by static checks alone read "PASS in 0.2s". Neither said what went unjudged
+    from feedback.manifest import parse_manifest
+
+    manifest = parse_manifest("""
+schema_version: 1
+name: toy
+probes:
+  - {id: s.static, kind: static, entry: "toy.probes:ok", covers: {files: ["toy/*.py"]}}
+  - {id: t.gpu_only, kind: correctness, entry: "toy.probes:skips", covers: {files: ["toy/a.py"]}}
+  - {id: t.runs, kind: correctness, entry: "toy.probes:ok", covers: {files: ["toy/c.py"]}}
+""")
+    changed = ["toy/a.py", "toy/b.py", "toy/c.py", "tests/test_a.py", "README.md"]
+    report = judge(toy, manifest=manifest, changed=changed, use_cache=False)
+    assert report.passed
+    assert report.unexercised == {"toy/a.py": "every probe that runs it skipped here (t.gpu_only)",
+                                  "toy/b.py": "only static checks cover it: no probe runs its code"}
+    from feedback.report import render
+    from infra_agent.tools import render_report
+
+    assert "not exercised here: toy/a.py: every probe that runs it skipped here (t.gpu_only)" in render_report(report)
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    render(report, Console(file=out, width=200))
+    assert "not exercised here: toy/b.py: only static checks cover it" in out.getvalue()
